@@ -1,0 +1,316 @@
+"""Context-phase attention: `attention` (dense, padded) and `ragged_attention` (packed).
+
+Both validate at trace time, then dispatch to the Pallas flash kernel (`"pallas"`) or the
+pure-jnp reference (`"xla"`). Gradients come from a custom VJP whose backward pass
+recomputes through the reference (a Pallas backward kernel is future work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxattn import reference, validation
+from jaxattn.positional import RelativeBias
+from pallas_kernels.common import use_interpret
+from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
+from pallas_kernels.flash_prefill.kernel import LogitParams, SeqTable
+
+__all__ = ["attention", "ragged_attention", "resolve_implementations"]
+
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple[str, ...]:
+    """None -> pallas on a GPU, xla elsewhere; a list is tried in order (see `attention`)."""
+    if implementation is None:
+        return ("xla",) if jax.default_backend() != "gpu" else ("pallas", "xla")
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    for name in names:
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(f"{implementation=}: each name must be one of {IMPLEMENTATIONS}")
+    if not names:
+        raise ValueError(f"{implementation=}: empty")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The hashable part of a call: options that select code, not data."""
+
+    packed: bool
+    causal: bool
+    window: int | None
+    sink_tokens: int
+    soft_cap: float | None
+    scale: float
+    return_lse: bool
+    rel_max_distance: int
+    rel_bidirectional: bool
+
+
+def _reference(static: _Static, qkv, lengths, extras):
+    q, k, v = qkv
+    alibi, bias, mask, rel_table = extras
+    relative_bias = (
+        None
+        if rel_table is None
+        else RelativeBias(rel_table, static.rel_max_distance, static.rel_bidirectional)
+    )
+    opts = dict(
+        causal=static.causal, window=static.window, sink_tokens=static.sink_tokens,
+        alibi_slopes=alibi, bias=bias, mask=mask, relative_bias=relative_bias,
+        soft_cap=static.soft_cap, scale=static.scale, return_lse=True,
+    )
+    if static.packed:
+        cu_q, cu_k = lengths
+        # bias/mask arrive 4-D ([1, H, Tq, Tk]); the packed reference takes 3-D.
+        opts["bias"] = None if bias is None else bias[0]
+        opts["mask"] = None if mask is None else mask[0]
+        return reference.ragged_attention_reference(q, k, v, cu_q, cu_k, **opts)
+    q_len, kv_len = lengths
+    return reference.attention_reference(q, k, v, q_lengths=q_len, kv_lengths=kv_len, **opts)
+
+
+def _seq_table(static: _Static, q, k, lengths) -> SeqTable:
+    """Where each sequence's rows live in the packed `[T, H, D]` views of q and k."""
+    if static.packed:
+        cu_q, cu_k = (x.astype(jnp.int32) for x in lengths)
+        total_q = q.shape[0]
+        # One extra pseudo-sequence owns the trailing padding rows: no keys, so zeros.
+        q_start = jnp.append(cu_q[:-1], cu_q[-1])
+        q_len = jnp.append(jnp.diff(cu_q), 0)
+        q_rows = jnp.append(jnp.diff(cu_q), total_q - cu_q[-1])
+        k_start = jnp.append(cu_k[:-1], 0)
+        kv_len = jnp.append(jnp.diff(cu_k), 0)
+        return SeqTable(q_start, q_rows, q_len, k_start, kv_len, max_q_rows=total_q)
+    batch, tq = q.shape[:2]
+    tk = k.shape[1]
+    q_len, kv_len = lengths
+    seq = jnp.arange(batch, dtype=jnp.int32)
+    return SeqTable(
+        q_start=seq * tq,
+        q_rows=jnp.full((batch,), tq, jnp.int32),
+        q_len=jnp.full((batch,), tq, jnp.int32) if q_len is None else q_len.astype(jnp.int32),
+        k_start=seq * tk,
+        kv_len=jnp.full((batch,), tk, jnp.int32) if kv_len is None else kv_len.astype(jnp.int32),
+        max_q_rows=tq,
+    )
+
+
+def _pallas(static: _Static, config, qkv, lengths, extras):
+    q, k, v = qkv
+    alibi, bias, mask, rel_table = extras
+    seqs = _seq_table(static, q, k, lengths)
+    if not static.packed:
+        batch, tq, num_q_heads, head_dim = q.shape
+        q = q.reshape(-1, num_q_heads, head_dim)
+        k = k.reshape(-1, *k.shape[2:])
+        v = v.reshape(-1, *v.shape[2:])
+    params = LogitParams(
+        causal=static.causal, window=static.window, sink_tokens=static.sink_tokens,
+        soft_cap=static.soft_cap, scale=static.scale, packed_coords=static.packed,
+        rel_max_distance=static.rel_max_distance, rel_bidirectional=static.rel_bidirectional,
+    )
+    if config is None:
+        config = FlashPrefillConfig.heuristic(
+            seqs.max_q_rows, k.shape[0], q.shape[-1], q.dtype, static.causal
+        )
+    out, lse = flash_prefill(
+        q, k, v, seqs, bias=bias, mask=mask, alibi_slopes=alibi, rel_table=rel_table,
+        params=params, config=config, return_lse=static.return_lse, interpret=use_interpret(),
+    )
+    if not static.packed:
+        out = out.reshape(batch, tq, num_q_heads, head_dim)
+        if lse is not None:
+            lse = lse.reshape(num_q_heads, batch, tq).transpose(1, 0, 2)
+    return out, lse
+
+
+def _forward(impl: str, static: _Static, config, qkv, lengths, extras):
+    if impl == "xla":
+        out, lse = _reference(static, qkv, lengths, extras)
+        return out, (lse if static.return_lse else None)
+    return _pallas(static, config, qkv, lengths, extras)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _differentiable(impl, static, config, qkv, lengths, extras):
+    return _forward(impl, static, config, qkv, lengths, extras)
+
+
+def _differentiable_fwd(impl, static, config, qkv, lengths, extras):
+    return _forward(impl, static, config, qkv, lengths, extras), (qkv, lengths, extras)
+
+
+def _differentiable_bwd(impl, static, config, residuals, cotangents):
+    del impl, config
+    qkv, lengths, extras = residuals
+    alibi, bias, mask, rel_table = extras
+    g_out, g_lse = cotangents
+
+    def f(qkv, alibi, bias, rel_table):
+        return _reference(static, qkv, lengths, (alibi, bias, mask, rel_table))
+
+    (out, lse), vjp = jax.vjp(f, qkv, alibi, bias, rel_table)
+    g_lse = jnp.zeros_like(lse) if g_lse is None else jnp.where(jnp.isfinite(lse), g_lse, 0)
+    g_qkv, g_alibi, g_bias, g_rel = vjp((g_out.astype(out.dtype), g_lse))
+    return g_qkv, None, (g_alibi, g_bias, None, g_rel)
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+def _run(implementation, static, config, qkv, lengths, extras):
+    errors = []
+    for impl in resolve_implementations(implementation):
+        try:
+            out, lse = _differentiable(impl, static, config, qkv, lengths, extras)
+        except NotImplementedError as e:  # Fall through to the next implementation.
+            errors.append(f"{impl}: {e}")
+            continue
+        return (out, lse) if static.return_lse else out
+    raise NotImplementedError("no implementation could run this call: " + "; ".join(errors))
+
+
+def _prepare(q, k, v, *, packed, causal, window, sink_tokens, alibi_slopes, bias, mask,
+             relative_bias, soft_cap, scale, return_lse):
+    validation.check_qkv(q, k, v, packed=packed)
+    num_q_heads, head_dim = q.shape[-2:]
+    validation.check_options(
+        num_q_heads=num_q_heads, window=window, sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes, relative_bias=relative_bias, soft_cap=soft_cap, scale=scale,
+    )
+    if packed:
+        target = (1, num_q_heads, q.shape[0], k.shape[0])
+    else:
+        target = (q.shape[0], num_q_heads, q.shape[1], k.shape[1])
+    bias = validation.broadcast_operand("bias", bias, target, boolean=False)
+    mask = validation.broadcast_operand("mask", mask, target, boolean=True)
+    rel_table = None if relative_bias is None else relative_bias.table.astype(jnp.float32)
+    alibi = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
+    static = _Static(
+        packed=packed, causal=bool(causal), window=None if window is None else int(window),
+        sink_tokens=int(sink_tokens), soft_cap=None if soft_cap is None else float(soft_cap),
+        scale=head_dim**-0.5 if scale is None else float(scale), return_lse=bool(return_lse),
+        rel_max_distance=0 if relative_bias is None else relative_bias.max_distance,
+        rel_bidirectional=False if relative_bias is None else relative_bias.bidirectional,
+    )
+    return static, (alibi, bias, mask, rel_table)
+
+
+def attention(
+    q: Float[Array, "B Tq Hq D"],
+    k: Float[Array, "B Tk Hkv D"],
+    v: Float[Array, "B Tk Hkv D"],
+    *,
+    causal: bool = False,
+    q_lengths: Int[Array, " B"] | None = None,
+    kv_lengths: Int[Array, " B"] | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_slopes: Float[Array, " Hq"] | None = None,
+    bias: Float[Array, "#B #Hq #Tq #Tk"] | None = None,
+    mask: Bool[Array, "#B #Hq #Tq #Tk"] | None = None,
+    relative_bias: RelativeBias | None = None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: FlashPrefillConfig | None = None,
+):
+    """Attention of a padded batch (context / prefill phase; also cross attention).
+
+    Args:
+      q: `[B, Tq, Hq, D]` bf16/fp16/fp32 queries.
+      k, v: `[B, Tk, Hkv, D]`, same dtype as q; `Hq % Hkv == 0` (MHA, GQA, MQA).
+      causal: key j is visible to a query at position p only if `j <= p`. Queries are
+        bottom-right aligned: query i of sequence b sits at `kv_len[b] - q_len[b] + i`.
+      q_lengths, kv_lengths: int `[B]`, valid tokens per sequence (default: all). Query rows
+        at or past `q_lengths[b]` are padding and output zeros.
+      window: sliding window W: keys `j > p - W` (the last W, the query's own included).
+      sink_tokens: keys `j < sink_tokens` stay visible whatever the window (StreamingLLM).
+      alibi_slopes: float `[Hq]`; adds `-slope[h] * |p - j|` (see `jaxattn.alibi_slopes`).
+      bias: float, broadcastable to `[B, Hq, Tq, Tk]`; added to the scaled logits.
+      mask: bool, broadcastable to `[B, Hq, Tq, Tk]`; False hides the key.
+      relative_bias: implicit T5 bias `jaxattn.RelativeBias(table[Hq, num_buckets], ...)`.
+      soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)` before masking.
+      scale: logit scale; default `1/sqrt(D)` (TensorRT-LLM's q_scaling: `1/(q_scaling*sqrt(D))`).
+      return_lse: also return the natural log-sum-exp of each row, float32 `[B, Hq, Tq]`
+        (-inf for rows with no visible key).
+      implementation: "pallas", "xla", a list tried in order (a name that raises
+        NotImplementedError falls through to the next), or None (pallas on GPU, else xla).
+      config: a `FlashPrefillConfig` for the pallas kernel; None picks a heuristic.
+
+    Returns:
+      out `[B, Tq, Hq, D]` in q's dtype; rows with no visible key are zeros. With
+      `return_lse`, `(out, lse)`.
+    """
+    static, extras = _prepare(
+        q, k, v, packed=False, causal=causal, window=window, sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, relative_bias=relative_bias,
+        soft_cap=soft_cap, scale=scale, return_lse=return_lse,
+    )
+    validation.check_int_vector("q_lengths", q_lengths, q.shape[0])
+    validation.check_int_vector("kv_lengths", kv_lengths, q.shape[0])
+    return _run(implementation, static, config, (q, k, v), (q_lengths, kv_lengths), extras)
+
+
+def ragged_attention(
+    q: Float[Array, "Tq Hq D"],
+    k: Float[Array, "Tk Hkv D"],
+    v: Float[Array, "Tk Hkv D"],
+    cu_seqlens_q: Int[Array, " B+1"],
+    cu_seqlens_k: Int[Array, " B+1"],
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_slopes: Float[Array, " Hq"] | None = None,
+    bias: Float[Array, "#Hq #Tq #Tk"] | None = None,
+    mask: Bool[Array, "#Hq #Tq #Tk"] | None = None,
+    relative_bias: RelativeBias | None = None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: FlashPrefillConfig | None = None,
+):
+    """Attention over packed (varlen) sequences, FlashAttention's `cu_seqlens` layout.
+
+    Args:
+      q: `[Tq_total, Hq, D]`; sequence b owns rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`.
+        `Tq_total` is a static bucket: rows past `cu_seqlens_q[-1]` are padding (zeros).
+      k, v: `[Tk_total, Hkv, D]`; sequence b owns rows `cu_seqlens_k[b]:cu_seqlens_k[b+1]`.
+      cu_seqlens_q, cu_seqlens_k: int32 `[B+1]`, non-decreasing, starting at 0 (static B).
+        Query and key counts may differ per sequence (chunked context, cross attention);
+        queries are bottom-right aligned within their sequence as in `attention`.
+      bias, mask: broadcastable to `[Hq, Tq_total, Tk_total]`, in packed coordinates.
+      Other options: as `attention`.
+
+    Returns:
+      out `[Tq_total, Hq, D]`; with `return_lse`, also lse float32 `[Hq, Tq_total]`.
+    """
+    validation.check_qkv(q, k, v, packed=True)
+    if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"{cu_seqlens_q.shape=} and {cu_seqlens_k.shape=}: expected equal shapes [B+1]"
+        )
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs < 1:
+        raise ValueError(f"{cu_seqlens_q.shape=}: expected [B+1] with B >= 1")
+    validation.check_int_vector("cu_seqlens_q", cu_seqlens_q, num_seqs + 1)
+    validation.check_int_vector("cu_seqlens_k", cu_seqlens_k, num_seqs + 1)
+    static, extras = _prepare(
+        q, k, v, packed=True, causal=causal, window=window, sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, relative_bias=relative_bias,
+        soft_cap=soft_cap, scale=scale, return_lse=return_lse,
+    )
+    return _run(
+        implementation, static, config, (q, k, v), (cu_seqlens_q, cu_seqlens_k), extras
+    )

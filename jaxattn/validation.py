@@ -1,0 +1,88 @@
+"""Trace-time checks of shapes, dtypes and static options (no data-dependent checks).
+
+Every error names the argument and the shapes involved, so a user sees what to change.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxattn.positional import RelativeBias
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def check_qkv(q, k, v, *, packed: bool) -> None:
+    """q `[B, Tq, Hq, D]` and k/v `[B, Tk, Hkv, D]` (dense) or without the B axis (packed)."""
+    rank = 3 if packed else 4
+    layout = "[T, H, D]" if packed else "[B, T, H, D]"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != rank:
+            _fail(f"{name}.shape={x.shape}: expected rank {rank} {layout}")
+        if str(x.dtype) not in _FLOAT_DTYPES:
+            _fail(f"{name}.dtype={x.dtype}: expected one of {_FLOAT_DTYPES}")
+    if k.shape != v.shape:
+        _fail(f"{k.shape=} and {v.shape=} must be equal")
+    if not packed and q.shape[0] != k.shape[0]:
+        _fail(f"{q.shape=} and {k.shape=}: batch sizes differ")
+    if q.shape[-1] != k.shape[-1]:
+        _fail(f"{q.shape=} and {k.shape=}: head_dim differs")
+    if q.shape[-2] % k.shape[-2]:
+        _fail(f"{q.shape=} and {k.shape=}: num_q_heads must be a multiple of num_kv_heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail(f"{q.dtype=}, {k.dtype=}, {v.dtype=}: q, k and v must share a dtype")
+
+
+def check_int_vector(name: str, x, length: int) -> None:
+    if x is None:
+        return
+    if x.ndim != 1 or x.shape[0] != length:
+        _fail(f"{name}.shape={x.shape}: expected [{length}]")
+    if not np.issubdtype(x.dtype, np.integer):
+        _fail(f"{name}.dtype={x.dtype}: expected an integer dtype")
+
+
+def broadcast_operand(name: str, x, target: tuple[int, ...], *, boolean: bool):
+    """Checks that `x` broadcasts to `target`; returns it with rank len(target)."""
+    if x is None:
+        return None
+    if boolean and x.dtype != np.bool_:
+        _fail(f"{name}.dtype={x.dtype}: expected bool")
+    if not boolean and str(x.dtype) not in _FLOAT_DTYPES:
+        _fail(f"{name}.dtype={x.dtype}: expected a float dtype")
+    if x.ndim > len(target) or any(
+        s not in (1, t) for s, t in zip(x.shape[::-1], target[::-1])
+    ):
+        _fail(f"{name}.shape={x.shape} does not broadcast to {target}")
+    return x.reshape((1,) * (len(target) - x.ndim) + x.shape)
+
+
+def check_options(
+    *, num_q_heads, window, sink_tokens, alibi_slopes, relative_bias, soft_cap, scale
+) -> None:
+    if window is not None and (int(window) != window or window < 1):
+        _fail(f"{window=}: expected a positive integer or None")
+    if int(sink_tokens) != sink_tokens or sink_tokens < 0:
+        _fail(f"{sink_tokens=}: expected a non-negative integer")
+    if soft_cap is not None and not soft_cap > 0:
+        _fail(f"{soft_cap=}: expected a positive number or None")
+    if scale is not None and not np.isfinite(scale):
+        _fail(f"{scale=}: expected a finite number or None")
+    if alibi_slopes is not None and alibi_slopes.shape != (num_q_heads,):
+        _fail(f"alibi_slopes.shape={alibi_slopes.shape}: expected [num_q_heads={num_q_heads}]")
+    if relative_bias is not None:
+        if not isinstance(relative_bias, RelativeBias):
+            _fail(f"relative_bias: expected a jaxattn.RelativeBias, got {type(relative_bias)}")
+        table = relative_bias.table
+        if table.ndim != 2 or table.shape[0] != num_q_heads:
+            _fail(f"relative_bias.table.shape={table.shape}: expected [{num_q_heads}, num_buckets]")
+        min_buckets = 4 if relative_bias.bidirectional else 2
+        if table.shape[1] < min_buckets:
+            _fail(f"relative_bias.table.shape={table.shape}: needs >= {min_buckets} buckets")
+        if relative_bias.max_distance <= table.shape[1] // (4 if relative_bias.bidirectional else 2):
+            _fail(f"relative_bias.max_distance={relative_bias.max_distance}: must exceed the "
+                  "exact-bucket range num_buckets // 4 (bidirectional) or // 2")

@@ -1,0 +1,308 @@
+"""Flash attention forward (context phase) as a Pallas Triton kernel.
+
+One program computes one `[block_q, D]` tile of queries of one sequence for one query head,
+streaming that sequence's keys in `[block_kv, D]` blocks with an online softmax in base 2
+(FlashAttention-2, Dao 2023, algorithm 1). Dense and packed batches share the kernel: both
+are passed as packed `[T, H, D]` views plus a table saying where each sequence's rows are.
+
+Work skipping: a tile visits only the key blocks some of its rows can see (causal, window,
+lengths, plus sink blocks); blocks every row sees in full run without the mask arithmetic.
+Tiles are launched heaviest first so the long causal tiles do not form the tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Int
+
+from pallas_kernels.common import (
+    LN2,
+    LOG2E,
+    MASK_VALUE,
+    next_power_of_2,
+    relative_position_bucket,
+)
+from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SeqTable:
+    """Per-sequence placement in the packed views (S sequences, int32 `[S]` each).
+
+    Sequence s owns query rows `q_start[s] : q_start[s] + q_rows[s]` of the output, of
+    which the first `q_len[s]` are real queries (the rest output zeros), and keys
+    `k_start[s] : k_start[s] + kv_len[s]`. `max_q_rows` (static) bounds `q_rows`.
+    """
+
+    q_start: Int[Array, " S"]
+    q_rows: Int[Array, " S"]
+    q_len: Int[Array, " S"]
+    k_start: Int[Array, " S"]
+    kv_len: Int[Array, " S"]
+    max_q_rows: int = dataclasses.field(metadata=dict(static=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitParams:
+    """Static options of the logits and mask (semantics: DESIGN.md / jaxattn.reference).
+
+    `packed_coords`: bias/mask rows and columns are packed-array coordinates (ragged) rather
+    than positions within the sequence (dense, where the bias batch index is the sequence).
+    """
+
+    causal: bool = False
+    window: int | None = None
+    sink_tokens: int = 0
+    soft_cap: float | None = None
+    scale: float = 1.0
+    packed_coords: bool = False
+    rel_max_distance: int = 0
+    rel_bidirectional: bool = False
+
+
+def _tile_table(seqs: SeqTable, block_q: int, num_tiles: int, params: LogitParams):
+    """Tile t covers rows `tile_row[t] : tile_row[t] + block_q` of sequence `tile_seq[t]`.
+
+    Tiles are sorted by the number of keys they visit, largest first. Spare tiles (the
+    count is a static bound) get a row past their sequence's end and do nothing.
+    """
+    n = (seqs.q_rows + block_q - 1) // block_q
+    ends = jnp.cumsum(n)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), n.shape[0] - 1).astype(jnp.int32)
+    row = (t - (ends - n)[seq]) * block_q
+    kv_len, q_len = seqs.kv_len[seq], seqs.q_len[seq]
+    cost = kv_len
+    if params.causal:
+        cost = jnp.minimum(cost, kv_len - q_len + jnp.minimum(row + block_q, q_len))
+    if params.window is not None:
+        cost = jnp.minimum(cost, params.window + block_q + params.sink_tokens)
+    cost = jnp.where(row < seqs.q_rows[seq], jnp.maximum(cost, 1), 0)
+    order = jnp.argsort(-cost, stable=True)
+    return seq[order], row[order]
+
+
+def _flash_prefill_kernel(
+    tile_seq_ref, tile_row_ref,  # [num_tiles]
+    q_start_ref, q_rows_ref, q_len_ref, k_start_ref, kv_len_ref,  # [S]
+    q_ref,  # [Tq_all, Hq, D]
+    k_ref, v_ref,  # [Tk_all, Hkv, D]
+    *refs,
+    params: LogitParams, has: tuple[bool, ...], block_q: int, block_kv: int,
+    head_dim: int, group: int,
+):
+    has_bias, has_mask, has_alibi, has_rel, has_lse = has
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None  # [Bb, Hb, Rq, Rk]
+    mask_ref = refs.pop(0) if has_mask else None  # [Bm, Hm, Rq, Rk]
+    alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
+    rel_ref = refs.pop(0) if has_rel else None  # [Hq, num_buckets]
+    o_ref = refs.pop(0)  # [Tq_all, Hq, D]
+    lse_ref = refs.pop(0) if has_lse else None  # [Hq, Tq_all]
+
+    tile, h = pl.program_id(0), pl.program_id(1)
+    seq, r0 = tile_seq_ref[tile], tile_row_ref[tile]
+    q_start, q_rows, q_len = q_start_ref[seq], q_rows_ref[seq], q_len_ref[seq]
+    k_start, kv_len = k_start_ref[seq], kv_len_ref[seq]
+    kvh = h // group
+
+    padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
+    dims = pl.ds(0, padded_dim)
+    dim_ok = (jnp.arange(padded_dim) < head_dim)[None, :]  # [1, Dp]
+    rows = r0 + jnp.arange(block_q)  # [block_q] row index within the sequence
+    row_store = rows < q_rows
+    q_pos = kv_len - q_len + rows  # [block_q] absolute positions (bottom-right aligned)
+
+    q = plgpu.load(  # [block_q, Dp]
+        q_ref.at[pl.ds(q_start + r0, block_q), h, dims],
+        mask=row_store[:, None] & dim_ok, other=0.0,
+    )
+    # Base-2 softmax: fold log2(e) into the scale so the inner loop calls exp2.
+    qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
+    extra_scale = 1.0 if params.soft_cap is not None else LOG2E
+
+    def tile_of(ref, b_idx, cols, col_ok, other):
+        """The [block_q, block_kv] slice of a broadcastable [B, H, Rq, Rk] operand."""
+        bb = b_idx if ref.shape[0] > 1 else 0
+        hb = h if ref.shape[1] > 1 else 0
+        row0 = (q_start if params.packed_coords else 0) + r0
+        col0 = (k_start if params.packed_coords else 0) + cols
+        rq = pl.ds(row0, block_q) if ref.shape[2] > 1 else pl.ds(0, 1)
+        rk = pl.ds(col0, block_kv) if ref.shape[3] > 1 else pl.ds(0, 1)
+        ok = (row_store[:, None] if ref.shape[2] > 1 else True) & (
+            col_ok[None, :] if ref.shape[3] > 1 else True
+        )
+        shape = (block_q if ref.shape[2] > 1 else 1, block_kv if ref.shape[3] > 1 else 1)
+        ok = jnp.broadcast_to(ok, shape)
+        val = plgpu.load(ref.at[bb, hb, rq, rk], mask=ok, other=other)
+        return jnp.broadcast_to(val, (block_q, block_kv))
+
+    def logits(q, k, k0, masked):
+        cols = k0 + jnp.arange(block_kv)  # [block_kv] key positions
+        col_ok = cols < kv_len
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+        extra = None
+        if has_bias:
+            extra = tile_of(bias_ref, seq, k0, col_ok, 0.0).astype(jnp.float32)
+        if has_alibi:
+            dist = jnp.abs(q_pos[:, None] - cols[None, :]).astype(jnp.float32)
+            term = -alibi_ref[h] * dist
+            extra = term if extra is None else extra + term
+        if has_rel:
+            rel = cols[None, :] - q_pos[:, None]
+            buckets = relative_position_bucket(
+                rel, rel_ref.shape[-1], params.rel_max_distance, params.rel_bidirectional
+            )
+            term = rel_ref[h, buckets]
+            extra = term if extra is None else extra + term
+        if extra is not None:
+            s = s + extra * extra_scale
+        if params.soft_cap is not None:
+            s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
+        if has_bias:  # A -inf bias masks the key; keep every logit finite.
+            s = jnp.maximum(s, MASK_VALUE)
+        visible = None
+        if masked:
+            visible = jnp.broadcast_to(col_ok[None, :], (block_q, block_kv))
+            if params.causal:
+                visible &= cols[None, :] <= q_pos[:, None]
+            if params.window is not None:
+                in_window = cols[None, :] > q_pos[:, None] - params.window
+                if params.sink_tokens:
+                    in_window |= cols[None, :] < params.sink_tokens
+                visible &= in_window
+        if has_mask:
+            allowed = tile_of(mask_ref, seq, k0, col_ok, False)
+            visible = allowed if visible is None else visible & allowed
+        return s if visible is None else jnp.where(visible, s, MASK_VALUE)
+
+    def body(masked, block, carry):
+        acc, m, l = carry
+        k0 = block * block_kv
+        kv_rows = pl.ds(k_start + k0, block_kv)
+        if masked:  # Keys past kv_len belong to another sequence or to nothing.
+            kv_ok = ((k0 + jnp.arange(block_kv)) < kv_len)[:, None] & dim_ok
+        else:
+            kv_ok = None if padded_dim == head_dim else jnp.broadcast_to(dim_ok, (block_kv, padded_dim))
+        other = None if kv_ok is None else 0.0
+        k = plgpu.load(k_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
+        s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = plgpu.load(v_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
+        acc = acc * alpha[:, None] + jnp.dot(
+            p.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+        return acc, m_new, l
+
+    # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
+    # what every valid row sees, so blocks inside it skip the mask.
+    n_valid = jnp.clip(q_len - r0, 0, block_q)
+    p_first = kv_len - q_len + r0
+    p_last = p_first + n_valid - 1
+    hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
+    hi = jnp.where(n_valid > 0, jnp.maximum(hi, 0), 0)
+    full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
+    lo, full_lo = 0, 0
+    if params.window is not None:
+        lo = jnp.maximum(p_first - params.window + 1, 0)
+        full_lo = jnp.maximum(p_last - params.window + 1, 0)
+    lo_b = jnp.minimum(lo // block_kv, pl.cdiv(hi, block_kv))
+    hi_b = pl.cdiv(hi, block_kv)
+    full_lo_b = jnp.clip(pl.cdiv(full_lo, block_kv), lo_b, hi_b)
+    full_hi_b = jnp.clip(full_hi // block_kv, full_lo_b, hi_b)
+    if has_mask:  # Every block reads the mask anyway.
+        full_hi_b = full_lo_b
+
+    carry = (
+        jnp.zeros((block_q, padded_dim), jnp.float32),
+        jnp.full((block_q,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    if params.window is not None and params.sink_tokens:
+        sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, hi), block_kv), lo_b)
+        carry = jax.lax.fori_loop(0, sink_b, functools.partial(body, True), carry)
+    carry = jax.lax.fori_loop(lo_b, full_lo_b, functools.partial(body, True), carry)
+    carry = jax.lax.fori_loop(full_lo_b, full_hi_b, functools.partial(body, False), carry)
+    acc, m, l = jax.lax.fori_loop(full_hi_b, hi_b, functools.partial(body, True), carry)
+
+    ok = (rows < q_len) & (m > 0.5 * MASK_VALUE)  # a real row that saw at least one key
+    l_safe = jnp.where(ok, l, 1.0)
+    out = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0)
+    plgpu.store(
+        o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
+        out.astype(o_ref.dtype),
+        mask=row_store[:, None] & dim_ok,
+    )
+    if has_lse:
+        lse = jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+        plgpu.store(lse_ref.at[h, pl.ds(q_start + r0, block_q)], lse, mask=row_store)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("params", "config", "return_lse", "interpret")
+)
+def flash_prefill(
+    q, k, v, seqs: SeqTable, *, bias=None, mask=None, alibi_slopes=None, rel_table=None,
+    params: LogitParams, config: FlashPrefillConfig, return_lse: bool = False,
+    interpret: bool = False,
+):
+    """Flash attention over packed views.
+
+    Args:
+      q: `[Tq_all, Hq, D]`; k, v: `[Tk_all, Hkv, D]` (one float dtype).
+      seqs: where each sequence's rows and keys are (`SeqTable`).
+      bias: float `[Bb, Hb, Rq, Rk]` (each axis full or 1); mask: bool, same form.
+        Indexed by sequence, head, and row/column (within the sequence, or packed
+        coordinates if `params.packed_coords`).
+      alibi_slopes: float32 `[Hq]`; rel_table: float32 `[Hq, num_buckets]` (T5 bias).
+      params, config: static options and tiling.
+
+    Returns:
+      out `[Tq_all, Hq, D]` in q's dtype and lse float32 `[Hq, Tq_all]` (or None).
+    """
+    total_q, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    block_q, block_kv = config.block_q, config.block_kv
+    num_seqs = seqs.q_start.shape[0]
+    num_tiles = min(
+        (total_q + num_seqs * (block_q - 1)) // block_q,
+        num_seqs * pl.cdiv(seqs.max_q_rows, block_q),
+    )
+    tile_seq, tile_row = _tile_table(seqs, block_q, num_tiles, params)
+
+    optional = [bias, mask, alibi_slopes, rel_table]
+    has = tuple(x is not None for x in optional) + (return_lse,)
+    inputs = [tile_seq, tile_row, seqs.q_start, seqs.q_rows, seqs.q_len, seqs.k_start,
+              seqs.kv_len, q, k, v] + [x for x in optional if x is not None]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if return_lse:
+        out_shape.append(jax.ShapeDtypeStruct((num_q_heads, total_q), jnp.float32))
+
+    kernel = functools.partial(
+        _flash_prefill_kernel, params=params, has=has, block_q=block_q, block_kv=block_kv,
+        head_dim=head_dim, group=num_q_heads // num_kv_heads,
+    )
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_q_heads),
+        in_specs=[whole(x) for x in inputs],
+        out_specs=[whole(s) for s in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name="flash_prefill",
+    )(*inputs)
+    return outs[0], (outs[1] if return_lse else None)
