@@ -19,7 +19,7 @@ from jaxattn import reference, validation
 from jaxattn.positional import RelativeBias
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
-from pallas_kernels.flash_prefill.kernel import LogitParams, SeqTable
+from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
 
 __all__ = ["attention", "ragged_attention", "resolve_implementations"]
 
@@ -77,59 +77,47 @@ def _reference(static: _Static, qkv, lengths, extras):
     return reference.attention_reference(q, k, v, q_lengths=q_len, kv_lengths=kv_len, **opts)
 
 
-def _seq_table(static: _Static, q, k, lengths) -> SeqTable:
-    """Where each sequence's rows live in the packed `[T, H, D]` views of q and k."""
+def _batch(static: _Static, q, k, lengths) -> Batch:
+    """Lengths (dense) or placement (packed) of the sequences, for the kernel."""
     if static.packed:
         cu_q, cu_k = (x.astype(jnp.int32) for x in lengths)
-        total_q = q.shape[0]
         # One extra pseudo-sequence owns the trailing padding rows: no keys, so zeros.
-        q_start = jnp.append(cu_q[:-1], cu_q[-1])
         q_len = jnp.append(jnp.diff(cu_q), 0)
-        q_rows = jnp.append(jnp.diff(cu_q), total_q - cu_q[-1])
-        k_start = jnp.append(cu_k[:-1], 0)
-        kv_len = jnp.append(jnp.diff(cu_k), 0)
-        return SeqTable(q_start, q_rows, q_len, k_start, kv_len, max_q_rows=total_q)
+        return Batch(
+            q_len=q_len,
+            kv_len=jnp.append(jnp.diff(cu_k), 0),
+            q_start=jnp.append(cu_q[:-1], cu_q[-1]),
+            q_rows=q_len.at[-1].set(q.shape[0] - cu_q[-1]),
+            k_start=jnp.append(cu_k[:-1], 0),
+            dense=False,
+        )
     batch, tq = q.shape[:2]
-    tk = k.shape[1]
     q_len, kv_len = lengths
-    seq = jnp.arange(batch, dtype=jnp.int32)
-    return SeqTable(
-        q_start=seq * tq,
-        q_rows=jnp.full((batch,), tq, jnp.int32),
+    return Batch(
         q_len=jnp.full((batch,), tq, jnp.int32) if q_len is None else q_len.astype(jnp.int32),
-        k_start=seq * tk,
-        kv_len=jnp.full((batch,), tk, jnp.int32) if kv_len is None else kv_len.astype(jnp.int32),
-        max_q_rows=tq,
+        kv_len=jnp.full((batch,), k.shape[1], jnp.int32)
+        if kv_len is None
+        else kv_len.astype(jnp.int32),
     )
 
 
 def _pallas(static: _Static, config, qkv, lengths, extras):
     q, k, v = qkv
     alibi, bias, mask, rel_table = extras
-    seqs = _seq_table(static, q, k, lengths)
-    if not static.packed:
-        batch, tq, num_q_heads, head_dim = q.shape
-        q = q.reshape(-1, num_q_heads, head_dim)
-        k = k.reshape(-1, *k.shape[2:])
-        v = v.reshape(-1, *v.shape[2:])
     params = LogitParams(
         causal=static.causal, window=static.window, sink_tokens=static.sink_tokens,
         soft_cap=static.soft_cap, scale=static.scale, packed_coords=static.packed,
         rel_max_distance=static.rel_max_distance, rel_bidirectional=static.rel_bidirectional,
     )
     if config is None:
-        config = FlashPrefillConfig.heuristic(
-            seqs.max_q_rows, k.shape[0], q.shape[-1], q.dtype, static.causal
-        )
-    out, lse = flash_prefill(
-        q, k, v, seqs, bias=bias, mask=mask, alibi_slopes=alibi, rel_table=rel_table,
-        params=params, config=config, return_lse=static.return_lse, interpret=use_interpret(),
+        max_q = q.shape[0] if static.packed else q.shape[1]
+        max_kv = k.shape[0] if static.packed else k.shape[1]
+        config = FlashPrefillConfig.heuristic(max_q, max_kv, q.shape[-1], q.dtype, static.causal)
+    return flash_prefill(
+        q, k, v, _batch(static, q, k, lengths), bias=bias, mask=mask, alibi_slopes=alibi,
+        rel_table=rel_table, params=params, config=config, return_lse=static.return_lse,
+        interpret=use_interpret(),
     )
-    if not static.packed:
-        out = out.reshape(batch, tq, num_q_heads, head_dim)
-        if lse is not None:
-            lse = lse.reshape(num_q_heads, batch, tq).transpose(1, 0, 2)
-    return out, lse
 
 
 def _forward(impl: str, static: _Static, config, qkv, lengths, extras):

@@ -55,7 +55,7 @@ def broadcast_operand(name: str, x, target: tuple[int, ...], *, boolean: bool):
     if not boolean and str(x.dtype) not in _FLOAT_DTYPES:
         _fail(f"{name}.dtype={x.dtype}: expected a float dtype")
     if x.ndim > len(target) or any(
-        s not in (1, t) for s, t in zip(x.shape[::-1], target[::-1])
+        s not in (1, t) for s, t in zip(x.shape[::-1], target[::-1], strict=False)
     ):
         _fail(f"{name}.shape={x.shape} does not broadcast to {target}")
     return x.reshape((1,) * (len(target) - x.ndim) + x.shape)
@@ -83,6 +83,7 @@ def check_options(
         min_buckets = 4 if relative_bias.bidirectional else 2
         if table.shape[1] < min_buckets:
             _fail(f"relative_bias.table.shape={table.shape}: needs >= {min_buckets} buckets")
-        if relative_bias.max_distance <= table.shape[1] // (4 if relative_bias.bidirectional else 2):
+        exact = table.shape[1] // (4 if relative_bias.bidirectional else 2)
+        if relative_bias.max_distance <= exact:
             _fail(f"relative_bias.max_distance={relative_bias.max_distance}: must exceed the "
                   "exact-bucket range num_buckets // 4 (bidirectional) or // 2")

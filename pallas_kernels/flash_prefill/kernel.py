@@ -33,20 +33,24 @@ from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SeqTable:
-    """Per-sequence placement in the packed views (S sequences, int32 `[S]` each).
+class Batch:
+    """Where each sequence's queries and keys are in the packed `[T, H, D]` views.
 
-    Sequence s owns query rows `q_start[s] : q_start[s] + q_rows[s]` of the output, of
-    which the first `q_len[s]` are real queries (the rest output zeros), and keys
-    `k_start[s] : k_start[s] + kv_len[s]`. `max_q_rows` (static) bounds `q_rows`.
+    Dense batches (`dense=True`): sequence b owns query rows `b*Tq : (b+1)*Tq` and keys
+    `b*Tk : (b+1)*Tk`, of which the first `q_len[b]` / `kv_len[b]` are real; rows past
+    `q_len[b]` output zeros. Packed batches: sequence b owns query rows
+    `q_start[b] : q_start[b] + q_rows[b]` (the first `q_len[b]` real) and keys
+    `k_start[b] : k_start[b] + kv_len[b]`.
+
+    All arrays int32 `[S]`; `q_start`, `q_rows`, `k_start` are None for dense batches.
     """
 
-    q_start: Int[Array, " S"]
-    q_rows: Int[Array, " S"]
     q_len: Int[Array, " S"]
-    k_start: Int[Array, " S"]
     kv_len: Int[Array, " S"]
-    max_q_rows: int = dataclasses.field(metadata=dict(static=True))
+    q_start: Int[Array, " S"] | None = None
+    q_rows: Int[Array, " S"] | None = None
+    k_start: Int[Array, " S"] | None = None
+    dense: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,36 +71,43 @@ class LogitParams:
     rel_bidirectional: bool = False
 
 
-def _tile_table(seqs: SeqTable, block_q: int, num_tiles: int, params: LogitParams):
-    """Tile t covers rows `tile_row[t] : tile_row[t] + block_q` of sequence `tile_seq[t]`.
+# Columns of the packed tile table: one row of int32 per tile, read by one program.
+_Q_START, _Q_ROWS, _Q_LEN, _K_START, _KV_LEN, _ROW, _SEQ, _NUM_COLS = range(8)
 
-    Tiles are sorted by the number of keys they visit, largest first. Spare tiles (the
-    count is a static bound) get a row past their sequence's end and do nothing.
+
+def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: LogitParams):
+    """int32 `[num_tiles, _NUM_COLS]`: tile t covers rows `_ROW : _ROW + block_q` of a sequence.
+
+    Tiles are sorted by the number of keys they visit, largest first, so the long causal
+    tiles do not form the tail. Spare tiles (the count is a static bound) get a row past
+    their sequence's end and do nothing.
     """
-    n = (seqs.q_rows + block_q - 1) // block_q
+    n = (batch.q_rows + block_q - 1) // block_q
     ends = jnp.cumsum(n)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), n.shape[0] - 1).astype(jnp.int32)
     row = (t - (ends - n)[seq]) * block_q
-    kv_len, q_len = seqs.kv_len[seq], seqs.q_len[seq]
+    kv_len, q_len = batch.kv_len[seq], batch.q_len[seq]
     cost = kv_len
     if params.causal:
         cost = jnp.minimum(cost, kv_len - q_len + jnp.minimum(row + block_q, q_len))
     if params.window is not None:
         cost = jnp.minimum(cost, params.window + block_q + params.sink_tokens)
-    cost = jnp.where(row < seqs.q_rows[seq], jnp.maximum(cost, 1), 0)
-    order = jnp.argsort(-cost, stable=True)
-    return seq[order], row[order]
+    cost = jnp.where(row < batch.q_rows[seq], jnp.maximum(cost, 1), 0)
+    table = jnp.stack(
+        [batch.q_start[seq], batch.q_rows[seq], q_len, batch.k_start[seq], kv_len, row, seq],
+        axis=1,
+    )
+    return table[jnp.argsort(-cost, stable=True)].astype(jnp.int32)
 
 
 def _flash_prefill_kernel(
-    tile_seq_ref, tile_row_ref,  # [num_tiles]
-    q_start_ref, q_rows_ref, q_len_ref, k_start_ref, kv_len_ref,  # [S]
+    index_ref,  # dense: q_len and kv_len [2, B]; packed: the tile table [num_tiles, 8]
     q_ref,  # [Tq_all, Hq, D]
     k_ref, v_ref,  # [Tk_all, Hkv, D]
     *refs,
     params: LogitParams, has: tuple[bool, ...], block_q: int, block_kv: int,
-    head_dim: int, group: int,
+    head_dim: int, group: int, dense_shape: tuple[int, int, int] | None,
 ):
     has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
@@ -107,10 +118,17 @@ def _flash_prefill_kernel(
     o_ref = refs.pop(0)  # [Tq_all, Hq, D]
     lse_ref = refs.pop(0) if has_lse else None  # [Hq, Tq_all]
 
-    tile, h = pl.program_id(0), pl.program_id(1)
-    seq, r0 = tile_seq_ref[tile], tile_row_ref[tile]
-    q_start, q_rows, q_len = q_start_ref[seq], q_rows_ref[seq], q_len_ref[seq]
-    k_start, kv_len = k_start_ref[seq], kv_len_ref[seq]
+    h, tile = pl.program_id(0), pl.program_id(1)
+    if dense_shape is not None:  # Heaviest row blocks first, every sequence in turn.
+        num_seqs, q_rows, kv_rows_per_seq = dense_shape
+        seq = tile % num_seqs
+        r0 = (pl.cdiv(q_rows, block_q) - 1 - tile // num_seqs) * block_q
+        q_start, k_start = seq * q_rows, seq * kv_rows_per_seq
+        q_len, kv_len = index_ref[0, seq], index_ref[1, seq]
+    else:
+        row = index_ref.at[tile]
+        q_start, q_rows, q_len = row[_Q_START], row[_Q_ROWS], row[_Q_LEN]
+        k_start, kv_len, r0, seq = row[_K_START], row[_KV_LEN], row[_ROW], row[_SEQ]
     kvh = h // group
 
     padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
@@ -124,14 +142,17 @@ def _flash_prefill_kernel(
         q_ref.at[pl.ds(q_start + r0, block_q), h, dims],
         mask=row_store[:, None] & dim_ok, other=0.0,
     )
+    # Triton's default for float32 dots is TF32; float32 inputs ask for float32 products.
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # Base-2 softmax: fold log2(e) into the scale so the inner loop calls exp2.
     qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
     extra_scale = 1.0 if params.soft_cap is not None else LOG2E
 
     def tile_of(ref, b_idx, cols, col_ok, other):
         """The [block_q, block_kv] slice of a broadcastable [B, H, Rq, Rk] operand."""
-        bb = b_idx if ref.shape[0] > 1 else 0
-        hb = h if ref.shape[1] > 1 else 0
+        zero = jnp.int32(0)  # (interpret mode wants array indices, not Python ints)
+        bb = b_idx if ref.shape[0] > 1 else zero
+        hb = h if ref.shape[1] > 1 else zero
         row0 = (q_start if params.packed_coords else 0) + r0
         col0 = (k_start if params.packed_coords else 0) + cols
         rq = pl.ds(row0, block_q) if ref.shape[2] > 1 else pl.ds(0, 1)
@@ -147,7 +168,8 @@ def _flash_prefill_kernel(
     def logits(q, k, k0, masked):
         cols = k0 + jnp.arange(block_kv)  # [block_kv] key positions
         col_ok = cols < kv_len
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        s = s * qk_scale
         extra = None
         if has_bias:
             extra = tile_of(bias_ref, seq, k0, col_ok, 0.0).astype(jnp.float32)
@@ -189,8 +211,10 @@ def _flash_prefill_kernel(
         kv_rows = pl.ds(k_start + k0, block_kv)
         if masked:  # Keys past kv_len belong to another sequence or to nothing.
             kv_ok = ((k0 + jnp.arange(block_kv)) < kv_len)[:, None] & dim_ok
+        elif padded_dim != head_dim:
+            kv_ok = jnp.broadcast_to(dim_ok, (block_kv, padded_dim))
         else:
-            kv_ok = None if padded_dim == head_dim else jnp.broadcast_to(dim_ok, (block_kv, padded_dim))
+            kv_ok = None
         other = None if kv_ok is None else 0.0
         k = plgpu.load(k_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
         s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
@@ -200,7 +224,7 @@ def _flash_prefill_kernel(
         l = l * alpha + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
         acc = acc * alpha[:, None] + jnp.dot(
-            p.astype(v.dtype), v, preferred_element_type=jnp.float32
+            p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
         )
         return acc, m_new, l
 
@@ -248,54 +272,58 @@ def _flash_prefill_kernel(
         plgpu.store(lse_ref.at[h, pl.ds(q_start + r0, block_q)], lse, mask=row_store)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("params", "config", "return_lse", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("params", "config", "return_lse", "interpret"))
 def flash_prefill(
-    q, k, v, seqs: SeqTable, *, bias=None, mask=None, alibi_slopes=None, rel_table=None,
+    q, k, v, batch: Batch, *, bias=None, mask=None, alibi_slopes=None, rel_table=None,
     params: LogitParams, config: FlashPrefillConfig, return_lse: bool = False,
     interpret: bool = False,
 ):
-    """Flash attention over packed views.
+    """Flash attention of a dense or a packed batch.
 
     Args:
-      q: `[Tq_all, Hq, D]`; k, v: `[Tk_all, Hkv, D]` (one float dtype).
-      seqs: where each sequence's rows and keys are (`SeqTable`).
-      bias: float `[Bb, Hb, Rq, Rk]` (each axis full or 1); mask: bool, same form.
-        Indexed by sequence, head, and row/column (within the sequence, or packed
-        coordinates if `params.packed_coords`).
+      q: dense `[B, Tq, Hq, D]` or packed `[Tq_all, Hq, D]`; k, v: `[B, Tk, Hkv, D]` or
+        `[Tk_all, Hkv, D]`; one float dtype.
+      batch: lengths (dense) or placement (packed) of the sequences (`Batch`).
+      bias: float `[Bb, Hb, Rq, Rk]`, each axis full or 1; mask: bool, same form. Indexed
+        by sequence, head, and row/column within the sequence (dense) or in packed
+        coordinates (packed, `Bb == 1`).
       alibi_slopes: float32 `[Hq]`; rel_table: float32 `[Hq, num_buckets]` (T5 bias).
       params, config: static options and tiling.
 
     Returns:
-      out `[Tq_all, Hq, D]` in q's dtype and lse float32 `[Hq, Tq_all]` (or None).
+      out shaped like q, and lse float32 `[B, Hq, Tq]` / `[Hq, Tq_all]` (or None).
     """
-    total_q, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    block_q, block_kv = config.block_q, config.block_kv
-    num_seqs = seqs.q_start.shape[0]
-    num_tiles = min(
-        (total_q + num_seqs * (block_q - 1)) // block_q,
-        num_seqs * pl.cdiv(seqs.max_q_rows, block_q),
-    )
-    tile_seq, tile_row = _tile_table(seqs, block_q, num_tiles, params)
+    num_q_heads, head_dim = q.shape[-2:]
+    num_kv_heads = k.shape[-2]
+    block_q = config.block_q
+    if batch.dense:
+        num_seqs, q_rows, kv_rows = q.shape[0], q.shape[1], k.shape[1]
+        dense_shape = (num_seqs, q_rows, kv_rows)
+        num_tiles = num_seqs * pl.cdiv(q_rows, block_q)
+        index = jnp.stack([batch.q_len, batch.kv_len]).astype(jnp.int32)  # [2, B]
+        q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    else:
+        dense_shape = None
+        num_seqs = batch.q_len.shape[0]
+        num_tiles = (q.shape[0] + num_seqs * (block_q - 1)) // block_q
+        index = _packed_tile_table(batch, block_q, num_tiles, params)
 
     optional = [bias, mask, alibi_slopes, rel_table]
     has = tuple(x is not None for x in optional) + (return_lse,)
-    inputs = [tile_seq, tile_row, seqs.q_start, seqs.q_rows, seqs.q_len, seqs.k_start,
-              seqs.kv_len, q, k, v] + [x for x in optional if x is not None]
+    inputs = [index, q, k, v] + [x for x in optional if x is not None]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if return_lse:
-        out_shape.append(jax.ShapeDtypeStruct((num_q_heads, total_q), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
 
     kernel = functools.partial(
-        _flash_prefill_kernel, params=params, has=has, block_q=block_q, block_kv=block_kv,
-        head_dim=head_dim, group=num_q_heads // num_kv_heads,
+        _flash_prefill_kernel, params=params, has=has, block_q=block_q,
+        block_kv=config.block_kv, head_dim=head_dim, group=num_q_heads // num_kv_heads,
+        dense_shape=dense_shape,
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     outs = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_q_heads),
+        grid=(num_q_heads, num_tiles),
         in_specs=[whole(x) for x in inputs],
         out_specs=[whole(s) for s in out_shape],
         out_shape=out_shape,
@@ -305,4 +333,9 @@ def flash_prefill(
         interpret=interpret,
         name="flash_prefill",
     )(*inputs)
-    return outs[0], (outs[1] if return_lse else None)
+    out, lse = outs[0], (outs[1] if return_lse else None)
+    if dense_shape is not None:
+        out = out.reshape(num_seqs, q_rows, num_q_heads, head_dim)
+        if lse is not None:
+            lse = lse.reshape(num_q_heads, num_seqs, q_rows).transpose(1, 0, 2)
+    return out, lse

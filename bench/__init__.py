@@ -1,0 +1,1 @@
+"""Benchmarks of jaxattn against its peers: `python -m bench.run` (see bench/README.md)."""

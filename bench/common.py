@@ -1,0 +1,233 @@
+"""Measurement shared by the benchmark sets: timing, ceilings, the correctness gate, rows.
+
+Method (METHOD.md; STYLE.md guideline 9): check each output against a reference before
+timing it; warm up so compilation stays out of the numbers; per measurement, dispatch
+enough back-to-back calls to last >= 20 ms and wait for the last one (calls run in order
+on one stream), then take the median over measurements; rotate input sets so the L2 cache
+cannot serve repeated runs; report rates against ceilings measured in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+L2_BYTES = 50 * 2**20  # H100 L2; rotated inputs should span several times this.
+MAX_INPUT_SETS = 8
+MIN_MEASUREMENT_S = 0.02  # Host clock and dispatch overheads vanish at this length.
+
+# Relative Frobenius error allowed against a float32 reference, by input dtype.
+TOLERANCES = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Device limits measured in this process, the denominators of "% of ceiling"."""
+
+    matmul_tflops: float  # bf16 [n, n] x [n, n]
+    matmul_n: int
+    copy_tbps: float  # bytes read + bytes written
+    copy_bytes: int  # size of the copied array
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the command line asked for; every set receives it."""
+
+    smoke: bool  # CPU-sized shapes; Pallas kernels in interpret mode.
+    reps: int  # measurements per timed row (median over these).
+    warmup: int  # untimed calls before measuring (after the compile).
+    sweep: bool  # also time config variants of our kernel.
+    sweep_configs: tuple[str, ...] | None  # set-specific config specs; None: set default.
+    ceilings: Ceilings
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median and extremes over the measurements."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One implementation on one shape.
+
+    status: "ok" (checked and timed), "FAILED" (wrong output, or our kernel raised),
+    "error" (a sweep variant raised, e.g. did not compile) or "skipped" (a peer that
+    cannot run here); only "ok" rows carry times and rates.
+    """
+
+    set_name: str
+    shape: str
+    impl: str
+    status: str
+    time_ms: float | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    rate: float | None = None  # in `unit`
+    unit: str = "TFLOP/s"  # or "TB/s"
+    pct_ceiling: float | None = None
+    notes: str = ""
+    sweep: bool = False  # a config variant, not the default choice
+
+
+@dataclasses.dataclass(frozen=True)
+class SetResult:
+    name: str
+    description: str  # dtype, heads, head dim: what every row of the set shares
+    rows: list[Row]
+
+
+def _run_calls(fn: Callable, arg_sets: Sequence[tuple], calls: int) -> None:
+    out = None
+    for i in range(calls):
+        out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+
+
+def time_op(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int, reps: int) -> Timing:
+    """Times jitted `fn` over argument tuples taken in rotation; the warm-up compiles."""
+    _run_calls(fn, arg_sets, max(warmup, 1))
+    start = time.perf_counter()
+    _run_calls(fn, arg_sets, len(arg_sets))
+    per_call = (time.perf_counter() - start) / len(arg_sets)
+    calls = max(len(arg_sets), math.ceil(MIN_MEASUREMENT_S / per_call))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        _run_calls(fn, arg_sets, calls)
+        samples.append((time.perf_counter() - start) / calls)
+    return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+def num_input_sets(bytes_per_set: int) -> int:
+    """How many distinct input sets to rotate so that together they span 3x the L2."""
+    return min(MAX_INPUT_SETS, max(2, math.ceil(3 * L2_BYTES / bytes_per_set)))
+
+
+def measure_ceilings(*, smoke: bool, reps: int) -> Ceilings:
+    """A bf16 8192^3 matmul and a 1 GiB device copy (small sizes with `smoke`)."""
+    n = 512 if smoke else 8192
+    keys = jax.random.split(jax.random.key(0), 4)
+    operands = [
+        (
+            jax.random.normal(keys[2 * i], (n, n), jnp.bfloat16),
+            jax.random.normal(keys[2 * i + 1], (n, n), jnp.bfloat16),
+        )
+        for i in range(2)
+    ]
+    t_matmul = time_op(jax.jit(jnp.matmul), operands, warmup=3, reps=reps)
+
+    # Negation: one read and one write per element, which XLA cannot elide as it may a copy.
+    copy_bytes = 2**24 if smoke else 2**30
+    x = jax.random.normal(keys[0], (copy_bytes // 4,), jnp.float32)
+    t_copy = time_op(jax.jit(jnp.negative), [(x,)], warmup=3, reps=reps)
+    return Ceilings(
+        matmul_tflops=2 * n**3 / t_matmul.median_s / 1e12,
+        matmul_n=n,
+        copy_tbps=2 * copy_bytes / t_copy.median_s / 1e12,
+        copy_bytes=copy_bytes,
+    )
+
+
+def relative_error(out: jax.Array, ref: jax.Array) -> float:
+    """||out - ref|| / ||ref|| (Frobenius), computed in float32."""
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    return float(jnp.sqrt(jnp.sum((out - ref) ** 2) / jnp.sum(ref**2)))
+
+
+def check_close(out: jax.Array, ref: jax.Array, name: str, tol: float) -> tuple[bool, str]:
+    """(passed, message); NaN never passes."""
+    if out.shape != ref.shape:
+        return False, f"{name}: shape {out.shape} != reference {ref.shape}"
+    err = relative_error(out, ref)
+    passed = err <= tol  # False for NaN
+    return passed, f"err {err:.1e}" if passed else f"{name}: rel err {err:.1e} > tol {tol:.0e}"
+
+
+def describe_error(e: Exception) -> str:
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first_line[:160]}"
+
+
+def join_notes(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+def progress(row: Row) -> Row:
+    """Prints `row` as it is measured (the final table comes at the end); returns it."""
+    timing = f"{row.time_ms:9.3f} ms {row.rate:7.3g} {row.unit}" if row.status == "ok" else ""
+    print(f"  {row.shape:30} {row.impl:10} {row.status:7} {timing}  {row.notes}", flush=True)
+    return row
+
+
+def bench_impl(
+    settings: Settings,
+    *,
+    set_name: str,
+    shape: str,
+    impl: str,
+    fn: Callable,
+    arg_sets: Sequence[tuple],
+    ref: jax.Array | None,
+    tol: float,
+    work: float,
+    unit: str = "TFLOP/s",
+    on_error: str = "skipped",
+    notes: str = "",
+    sweep: bool = False,
+) -> Row:
+    """Checks `fn(*arg_sets[0])` against `ref`, then times `fn` over all `arg_sets`.
+
+    `work` is FLOPs (unit "TFLOP/s") or bytes (unit "TB/s") per call; `on_error` is the
+    status of a row whose call raises ("FAILED", "error" or "skipped"). A row whose output
+    is wrong is FAILED and not timed. With no reference (too large), the row is timed and
+    its notes say "unchecked".
+    """
+    row = Row(set_name, shape, impl, status="ok", unit=unit, notes=notes, sweep=sweep)
+    try:
+        out = jax.block_until_ready(fn(*arg_sets[0]))
+    except Exception as e:  # A peer missing here, or a config that does not compile.
+        return progress(
+            dataclasses.replace(row, status=on_error, notes=join_notes(notes, describe_error(e)))
+        )
+    if ref is None:
+        check = "unchecked: reference too large"
+    else:
+        passed, check = check_close(out, ref, f"{impl} {shape}", tol)
+        if not passed:
+            return progress(
+                dataclasses.replace(row, status="FAILED", notes=join_notes(notes, check))
+            )
+    del out
+    try:
+        timing = time_op(fn, arg_sets, warmup=settings.warmup, reps=settings.reps)
+    except Exception as e:  # E.g. out of memory with several calls in flight.
+        return progress(
+            dataclasses.replace(
+                row, status=on_error, notes=join_notes(notes, check, describe_error(e))
+            )
+        )
+    rate = work / timing.median_s / 1e12
+    ceiling = settings.ceilings.matmul_tflops if unit == "TFLOP/s" else settings.ceilings.copy_tbps
+    return progress(
+        dataclasses.replace(
+            row,
+            time_ms=timing.median_s * 1e3,
+            min_ms=timing.min_s * 1e3,
+            max_ms=timing.max_s * 1e3,
+            rate=rate,
+            pct_ceiling=100 * rate / ceiling,
+            notes=join_notes(notes, check),
+        )
+    )

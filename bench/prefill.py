@@ -1,0 +1,402 @@
+"""Context (prefill) attention: named shape sets, our kernel against its peers.
+
+Sets (bf16, GQA with 32 query / 8 kv heads, head dim 128; PERF.md):
+  prefill:        B1 S4096 causal, B1 S4096 full, B1 S16384 causal, B8 S2048 causal. Ours
+                  (`jaxattn.attention`, pallas) against cuDNN and XLA through
+                  `jax.nn.dot_product_attention`, and JAX's Pallas Triton `mha`.
+  prefill_packed: 8 causal sequences of mixed lengths packed into 16384 tokens
+                  (`jaxattn.ragged_attention`) against our dense B8 S2048 causal, the same
+                  total tokens; the target is packed time within 1.15x of dense.
+
+Every output is checked against the float32 spec (`jaxattn.reference`) before timing.
+FLOPs count the two matmuls, 4*B*Tq*Tk*Hq*D, halved for causal (Tq == Tk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import (
+    TOLERANCES,
+    Row,
+    SetResult,
+    Settings,
+    bench_impl,
+    join_notes,
+    num_input_sets,
+    progress,
+)
+
+# block_q x block_kv x num_warps x num_stages. The first is the heuristic for bf16 D 128,
+# timed again so that the sweep shows its own noise.
+DEFAULT_SWEEP = (
+    "128x64x8x3",
+    "128x64x8x2",
+    "128x64x8x4",
+    "128x128x8x2",
+    "128x32x4x3",
+    "128x64x4x3",
+    "64x64x4x3",
+    "64x128x4x2",
+)
+
+# The XLA peer materialises [B, Hq, Tq, Tk] float32 logits; past this it does not fit.
+XLA_LOGITS_LIMIT = 8 * 2**30
+# The reference runs one (sequence, kv head) at a time: [group, Tq, Tk] float32 logits.
+REFERENCE_LOGITS_LIMIT = 8 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """What every row of a set shares."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+
+    def describe(self) -> str:
+        return (
+            f"{self.dtype.name}, Hq {self.num_q_heads} / Hkv {self.num_kv_heads}, D {self.head_dim}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """A padded batch: q `[B, S, Hq, D]`, k and v `[B, S, Hkv, D]`."""
+
+    batch: int
+    seq_len: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        return f"B{self.batch} S{self.seq_len} {'causal' if self.causal else 'full'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """`num_seqs` causal sequences, lengths in [min_len, max_len], `total` tokens in all."""
+
+    num_seqs: int
+    total: int
+    min_len: int
+    max_len: int
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"packed {self.num_seqs} seqs T{self.total} causal"
+
+    def lengths(self) -> np.ndarray:
+        """A fixed draw: uniform lengths, then the surplus moved onto random sequences."""
+        rng = np.random.default_rng(self.seed)
+        lengths = rng.integers(self.min_len, self.max_len + 1, self.num_seqs)
+        for i in rng.permutation(self.num_seqs):
+            surplus = self.total - lengths.sum()
+            lengths[i] = np.clip(lengths[i] + surplus, self.min_len, self.max_len)
+        assert lengths.sum() == self.total, (self, lengths)
+        return lengths
+
+    @property
+    def dense_equivalent(self) -> Dense:
+        """The padded batch with the same sequence count and total tokens."""
+        return Dense(self.num_seqs, self.total // self.num_seqs, causal=True)
+
+
+FULL_HEADS = Heads(num_q_heads=32, num_kv_heads=8, head_dim=128)
+SMOKE_HEADS = Heads(num_q_heads=4, num_kv_heads=2, head_dim=32)
+
+PREFILL = (Dense(1, 4096, True), Dense(1, 4096, False), Dense(1, 16384, True), Dense(8, 2048, True))
+SMOKE_PREFILL = (Dense(1, 128, True), Dense(1, 128, False), Dense(1, 256, True), Dense(2, 64, True))
+
+PACKED = Packed(num_seqs=8, total=16384, min_len=512, max_len=3584)
+SMOKE_PACKED = Packed(num_seqs=8, total=512, min_len=16, max_len=112)
+
+
+def attention_flops(seq_lens: Sequence[int], heads: Heads, causal: bool) -> float:
+    """4*S^2*Hq*D per sequence (QK^T and PV), halved for causal."""
+    total = sum(4 * int(s) ** 2 * heads.num_q_heads * heads.head_dim for s in seq_lens)
+    return total / 2 if causal else total
+
+
+def _qkv_sets(tokens: tuple[int, ...], heads: Heads, seed: int) -> list[tuple]:
+    """Input sets (q, k, v) to rotate; `tokens` is (B, S) for dense, (T,) for packed.
+
+    q `[*tokens, Hq, D]`, k and v `[*tokens, Hkv, D]`, standard normal in `heads.dtype`.
+    """
+    q_shape = (*tokens, heads.num_q_heads, heads.head_dim)
+    kv_shape = (*tokens, heads.num_kv_heads, heads.head_dim)
+    set_bytes = int(np.prod(q_shape) + 2 * np.prod(kv_shape)) * heads.dtype.itemsize
+    sets = []
+    for i in range(num_input_sets(set_bytes)):
+        keys = jax.random.split(jax.random.key(seed + i), 3)
+        shapes = (q_shape, kv_shape, kv_shape)
+        sets.append(
+            tuple(jax.random.normal(k, s, heads.dtype) for k, s in zip(keys, shapes, strict=True))
+        )
+    return sets
+
+
+def _dense_reference(q, k, v, causal: bool) -> jax.Array | None:
+    """The float32 spec, one (sequence, kv head) at a time; None if even that is too large.
+
+    q `[B, Tq, Hq, D]`, k and v `[B, Tk, Hkv, D]` -> float32 `[B, Tq, Hq, D]`.
+    """
+    from jaxattn.reference import attention_reference
+
+    batch, tq, num_q_heads, _ = q.shape
+    tk, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    if group * tq * tk * 4 > REFERENCE_LOGITS_LIMIT:
+        return None
+    reference = jax.jit(functools.partial(attention_reference, causal=causal))
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    outs = [
+        [
+            reference(
+                q[b : b + 1, :, h * group : (h + 1) * group],
+                k[b : b + 1, :, h : h + 1],
+                v[b : b + 1, :, h : h + 1],
+            )
+            for h in range(num_kv_heads)
+        ]
+        for b in range(batch)
+    ]
+    return jnp.concatenate([jnp.concatenate(heads, axis=2) for heads in outs], axis=0)
+
+
+def _packed_reference(q, k, v, lengths: Sequence[int], causal: bool) -> jax.Array | None:
+    """The dense reference per sequence. q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]`."""
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        out = _dense_reference(q[None, start:end], k[None, start:end], v[None, start:end], causal)
+        if out is None:
+            return None
+        outs.append(out[0])
+    return jnp.concatenate(outs, axis=0)
+
+
+def parse_config(spec: str):
+    """A FlashPrefillConfig from "block_q x block_kv x num_warps x num_stages": "128x64x8x3"."""
+    from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+
+    block_q, block_kv, num_warps, num_stages = (int(x) for x in spec.split("x"))
+    return FlashPrefillConfig(block_q, block_kv, num_warps, num_stages)
+
+
+def config_label(config) -> str:
+    return f"{config.block_q}x{config.block_kv}x{config.num_warps}x{config.num_stages}"
+
+
+def _ours_dense(causal: bool) -> Callable:
+    """config -> jitted `jaxattn.attention(q, k, v)` on the pallas kernel."""
+    import jaxattn
+
+    return lambda config: jax.jit(
+        functools.partial(jaxattn.attention, causal=causal, implementation="pallas", config=config)
+    )
+
+
+def _ours_packed(causal: bool) -> Callable:
+    """config -> jitted `jaxattn.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k)`."""
+    import jaxattn
+
+    return lambda config: jax.jit(
+        functools.partial(
+            jaxattn.ragged_attention, causal=causal, implementation="pallas", config=config
+        )
+    )
+
+
+def _bench_ours(
+    settings: Settings,
+    *,
+    set_name: str,
+    shape: str,
+    make_fn: Callable,
+    config,
+    arg_sets: Sequence[tuple],
+    ref: jax.Array | None,
+    flops: float,
+    notes: str = "",
+) -> list[Row]:
+    """Our kernel with the heuristic `config`; with `settings.sweep`, config variants too."""
+    measure = functools.partial(
+        bench_impl,
+        settings,
+        set_name=set_name,
+        shape=shape,
+        impl="ours",
+        arg_sets=arg_sets,
+        ref=ref,
+        tol=TOLERANCES[arg_sets[0][0].dtype],
+        work=flops,
+    )
+    main = measure(
+        fn=make_fn(config),
+        on_error="FAILED",
+        notes=join_notes(notes, f"config {config_label(config)} (heuristic)"),
+    )
+    if not settings.sweep:
+        return [main]
+    variants = []
+    for spec in settings.sweep_configs or DEFAULT_SWEEP:
+        try:
+            variant = parse_config(spec)
+        except ValueError as e:  # A malformed spec or an invalid block size.
+            row = Row(set_name, shape, "ours", "error", notes=f"sweep {spec}: {e}", sweep=True)
+            variants.append(progress(row))
+            continue
+        variants.append(
+            measure(fn=make_fn(variant), on_error="error", notes=f"sweep {spec}", sweep=True)
+        )
+    timed = [r for r in variants if r.status == "ok"]
+    if timed:
+        best = min(timed, key=lambda r: r.time_ms)
+        speedup = f"{main.time_ms / best.time_ms:.2f}x vs heuristic" if main.time_ms else ""
+        variants[variants.index(best)] = dataclasses.replace(
+            best, notes=join_notes(best.notes, "BEST", speedup)
+        )
+    return [main, *variants]
+
+
+def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable, Callable | None, str]]:
+    """(name, jitted fn, maps (q, k, v) to its arguments or None, reason to skip or "")."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    def dot_product_attention(implementation):
+        return jax.jit(
+            functools.partial(
+                jax.nn.dot_product_attention, is_causal=shape.causal, implementation=implementation
+            )
+        )
+
+    logits_bytes = shape.batch * heads.num_q_heads * shape.seq_len**2 * 4
+    mha = jax.jit(
+        functools.partial(
+            pallas_attention.mha,
+            segment_ids=None,
+            sm_scale=heads.head_dim**-0.5,
+            causal=shape.causal,
+            interpret=jax.default_backend() != "gpu",
+        )
+    )
+    group = heads.num_q_heads // heads.num_kv_heads
+
+    def repeat_kv(q, k, v):
+        """mha has no GQA: k and v get Hq heads here, outside the timed call."""
+        return q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+
+    return [
+        ("cudnn", dot_product_attention("cudnn"), None, ""),
+        (
+            "xla",
+            dot_product_attention("xla"),
+            None,
+            "skipped: memory" if logits_bytes > XLA_LOGITS_LIMIT else "",
+        ),
+        ("triton mha", mha, repeat_kv, ""),
+    ]
+
+
+def prefill_set(settings: Settings) -> SetResult:
+    """The PERF.md prefill rows: ours against cuDNN, XLA and JAX's Pallas Triton `mha`."""
+    from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+
+    heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
+    rows = []
+    for index, shape in enumerate(SMOKE_PREFILL if settings.smoke else PREFILL):
+        arg_sets = _qkv_sets((shape.batch, shape.seq_len), heads, seed=100 * index)
+        ref = _dense_reference(*arg_sets[0], shape.causal)
+        flops = attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
+        config = FlashPrefillConfig.heuristic(
+            shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype, shape.causal
+        )
+        rows += _bench_ours(
+            settings,
+            set_name="prefill",
+            shape=shape.label,
+            make_fn=_ours_dense(shape.causal),
+            config=config,
+            arg_sets=arg_sets,
+            ref=ref,
+            flops=flops,
+        )
+        for name, fn, make_args, skip in _peers(shape, heads):
+            if skip:
+                rows.append(progress(Row("prefill", shape.label, name, "skipped", notes=skip)))
+                continue
+            rows.append(
+                bench_impl(
+                    settings,
+                    set_name="prefill",
+                    shape=shape.label,
+                    impl=name,
+                    fn=fn,
+                    arg_sets=[make_args(*a) for a in arg_sets] if make_args else arg_sets,
+                    ref=ref,
+                    tol=TOLERANCES[heads.dtype],
+                    work=flops,
+                )
+            )
+    return SetResult("prefill", heads.describe(), rows)
+
+
+def packed_set(settings: Settings) -> SetResult:
+    """Packed mixed-length sequences (`ragged_attention`) against our dense kernel."""
+    from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+
+    heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
+    packed = SMOKE_PACKED if settings.smoke else PACKED
+    dense = packed.dense_equivalent
+    lengths = packed.lengths()
+    cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)  # [B+1]
+
+    qkv_sets = _qkv_sets((packed.total,), heads, seed=1000)
+    max_len = int(lengths.max())
+    packed_rows = _bench_ours(
+        settings,
+        set_name="prefill_packed",
+        shape=packed.label,
+        make_fn=_ours_packed(causal=True),
+        config=FlashPrefillConfig.heuristic(max_len, max_len, heads.head_dim, heads.dtype, True),
+        arg_sets=[(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets],
+        ref=_packed_reference(*qkv_sets[0], lengths, causal=True),
+        flops=attention_flops(lengths, heads, causal=True),
+        notes="lengths " + ",".join(str(n) for n in lengths),
+    )
+
+    dense_sets = _qkv_sets((dense.batch, dense.seq_len), heads, seed=2000)
+    dense_rows = _bench_ours(
+        settings,
+        set_name="prefill_packed",
+        shape=dense.label,
+        make_fn=_ours_dense(causal=True),
+        config=FlashPrefillConfig.heuristic(
+            dense.seq_len, dense.seq_len, heads.head_dim, heads.dtype, True
+        ),
+        arg_sets=dense_sets,
+        ref=_dense_reference(*dense_sets[0], causal=True),
+        flops=attention_flops([dense.seq_len] * dense.batch, heads, causal=True),
+    )
+
+    # Mixed lengths do more work than equal ones (sum of S^2), so both ratios are shown.
+    packed_main, dense_main = packed_rows[0], dense_rows[0]
+    if packed_main.status == dense_main.status == "ok":
+        ratios = (
+            f"time {packed_main.time_ms / dense_main.time_ms:.2f}x dense, "
+            f"TFLOP/s {packed_main.rate / dense_main.rate:.2f}x dense"
+        )
+        print(f"  {packed.label} vs {dense.label}: {ratios}", flush=True)
+        packed_rows[0] = dataclasses.replace(
+            packed_main, notes=join_notes(packed_main.notes, ratios)
+        )
+    return SetResult("prefill_packed", heads.describe(), packed_rows + dense_rows)
