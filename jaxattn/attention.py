@@ -91,14 +91,8 @@ def _batch(static: _Static, q, k, lengths) -> Batch:
             k_start=jnp.append(cu_k[:-1], 0),
             dense=False,
         )
-    batch, tq = q.shape[:2]
     q_len, kv_len = lengths
-    return Batch(
-        q_len=jnp.full((batch,), tq, jnp.int32) if q_len is None else q_len.astype(jnp.int32),
-        kv_len=jnp.full((batch,), k.shape[1], jnp.int32)
-        if kv_len is None
-        else kv_len.astype(jnp.int32),
-    )
+    return Batch(q_len=q_len, kv_len=kv_len)
 
 
 def _pallas(static: _Static, config, qkv, lengths, extras):

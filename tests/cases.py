@@ -215,7 +215,7 @@ def _extras(case: Options, rng, sizes, dtype, row_axis):
             if len(shape) + row_axis >= 0 and shape[row_axis] > 2:
                 bias[(Ellipsis, 2, slice(None))] = -np.inf
         kw["bias"] = jnp.asarray(bias, jnp.float32)
-        okw["bias"] = bias
+        okw["bias"] = util.f64(kw["bias"])
     if case.mask is not None:
         shape = _resolve(case.mask, sizes)
         mask = rng.random(shape) < 0.75

@@ -54,15 +54,18 @@ def randn(rng, shape, dtype="float32", scale=1.0) -> jax.Array:
 
 
 def f64(x) -> np.ndarray:
+    """float64 copy; jax arrays (bf16/fp16 included) go through float32, which is exact."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
 # ---------------------------------------------------------------- tolerances
-# Absolute + relative error allowed against the float64 oracle, for float32 inputs. On a
-# GPU the Pallas Triton lowering runs float32 dots in TF32 (10-bit mantissa) by default.
-F32_TOL = dict(atol=1e-2, rtol=1e-2) if ON_GPU else dict(atol=2e-5, rtol=2e-5)
+# Absolute + relative error allowed against the float64 oracle, for float32 inputs (the
+# kernel asks Triton for IEEE float32 dots; its exp2 is approximate on a GPU).
+F32_TOL = dict(atol=1e-4, rtol=1e-4) if ON_GPU else dict(atol=2e-5, rtol=2e-5)
 LSE_TOL = {
-    "float32": dict(atol=1e-2, rtol=1e-3) if ON_GPU else dict(atol=2e-5, rtol=2e-5),
+    "float32": dict(atol=1e-4, rtol=1e-4) if ON_GPU else dict(atol=2e-5, rtol=2e-5),
     "bfloat16": dict(atol=1e-2, rtol=1e-3),
     "float16": dict(atol=1e-2, rtol=1e-3),
 }
@@ -122,3 +125,12 @@ def poison_value(dtype: str, kind: str) -> float:
     if kind == "nan":
         return math.nan
     return float(jnp.finfo(jnp.dtype(dtype)).max) / 8
+
+
+def jit_call(fn, *args, static: dict | None = None, **arrays):
+    """`fn(*args, **static, **arrays)` under `jax.jit` with only `static` held static.
+
+    Eager calls of the jnp reference compile op by op (seconds per shape on CPU); one jit
+    compile is ~10x cheaper."""
+    static = static or {}
+    return jax.jit(lambda args, arrays: fn(*args, **static, **arrays))(args, arrays)

@@ -42,11 +42,13 @@ class Batch:
     `q_start[b] : q_start[b] + q_rows[b]` (the first `q_len[b]` real) and keys
     `k_start[b] : k_start[b] + kv_len[b]`.
 
-    All arrays int32 `[S]`; `q_start`, `q_rows`, `k_start` are None for dense batches.
+    All arrays int32 `[S]`; `q_start`, `q_rows`, `k_start` are None for dense batches, and
+    so are `q_len` / `kv_len` when every sequence is full (the kernel then has static
+    loop bounds).
     """
 
-    q_len: Int[Array, " S"]
-    kv_len: Int[Array, " S"]
+    q_len: Int[Array, " S"] | None = None
+    kv_len: Int[Array, " S"] | None = None
     q_start: Int[Array, " S"] | None = None
     q_rows: Int[Array, " S"] | None = None
     k_start: Int[Array, " S"] | None = None
@@ -102,15 +104,16 @@ def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: Logit
 
 
 def _flash_prefill_kernel(
-    index_ref,  # dense: q_len and kv_len [2, B]; packed: the tile table [num_tiles, 8]
-    q_ref,  # [Tq_all, Hq, D]
-    k_ref, v_ref,  # [Tk_all, Hkv, D]
     *refs,
     params: LogitParams, has: tuple[bool, ...], block_q: int, block_kv: int,
     head_dim: int, group: int, dense_shape: tuple[int, int, int] | None,
 ):
-    has_bias, has_mask, has_alibi, has_rel, has_lse = has
+    has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
+    # Dense: q_len and kv_len [2, B] (absent: all full); packed: the tile table [tiles, 8].
+    index_ref = refs.pop(0) if has_index else None
+    q_ref = refs.pop(0)  # [Tq_all, Hq, D]
+    k_ref, v_ref = refs.pop(0), refs.pop(0)  # [Tk_all, Hkv, D]
     bias_ref = refs.pop(0) if has_bias else None  # [Bb, Hb, Rq, Rk]
     mask_ref = refs.pop(0) if has_mask else None  # [Bm, Hm, Rq, Rk]
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
@@ -124,11 +127,14 @@ def _flash_prefill_kernel(
         seq = tile % num_seqs
         r0 = (pl.cdiv(q_rows, block_q) - 1 - tile // num_seqs) * block_q
         q_start, k_start = seq * q_rows, seq * kv_rows_per_seq
-        q_len, kv_len = index_ref[0, seq], index_ref[1, seq]
+        # Without lengths they stay Python ints, and so do the loop bounds of full attention.
+        q_len, kv_len = q_rows, kv_rows_per_seq
+        if has_index:
+            q_len, kv_len = index_ref[0, seq], index_ref[1, seq]
     else:
-        row = index_ref.at[tile]
-        q_start, q_rows, q_len = row[_Q_START], row[_Q_ROWS], row[_Q_LEN]
-        k_start, kv_len, r0, seq = row[_K_START], row[_KV_LEN], row[_ROW], row[_SEQ]
+        q_start, q_rows = index_ref[tile, _Q_START], index_ref[tile, _Q_ROWS]
+        q_len, k_start = index_ref[tile, _Q_LEN], index_ref[tile, _K_START]
+        kv_len, r0, seq = index_ref[tile, _KV_LEN], index_ref[tile, _ROW], index_ref[tile, _SEQ]
     kvh = h // group
 
     padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
@@ -230,20 +236,24 @@ def _flash_prefill_kernel(
 
     # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
     # what every valid row sees, so blocks inside it skip the mask.
-    n_valid = jnp.clip(q_len - r0, 0, block_q)
-    p_first = kv_len - q_len + r0
-    p_last = p_first + n_valid - 1
-    hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
-    hi = jnp.where(n_valid > 0, jnp.maximum(hi, 0), 0)
-    full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
-    lo, full_lo = 0, 0
-    if params.window is not None:
-        lo = jnp.maximum(p_first - params.window + 1, 0)
-        full_lo = jnp.maximum(p_last - params.window + 1, 0)
-    lo_b = jnp.minimum(lo // block_kv, pl.cdiv(hi, block_kv))
-    hi_b = pl.cdiv(hi, block_kv)
-    full_lo_b = jnp.clip(pl.cdiv(full_lo, block_kv), lo_b, hi_b)
-    full_hi_b = jnp.clip(full_hi // block_kv, full_lo_b, hi_b)
+    if isinstance(kv_len, int) and not params.causal and params.window is None:
+        # Full attention of a dense batch without lengths: static trip counts.
+        lo_b, full_lo_b, hi_b, full_hi_b = 0, 0, pl.cdiv(kv_len, block_kv), kv_len // block_kv
+    else:
+        n_valid = jnp.clip(q_len - r0, 0, block_q)
+        p_first = kv_len - q_len + r0
+        p_last = p_first + n_valid - 1
+        hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
+        hi = jnp.where(n_valid > 0, jnp.maximum(hi, 0), 0)
+        full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
+        lo, full_lo = 0, 0
+        if params.window is not None:
+            lo = jnp.maximum(p_first - params.window + 1, 0)
+            full_lo = jnp.maximum(p_last - params.window + 1, 0)
+        hi_b = pl.cdiv(hi, block_kv)
+        lo_b = jnp.minimum(lo // block_kv, hi_b)
+        full_lo_b = jnp.clip(pl.cdiv(full_lo, block_kv), lo_b, hi_b)
+        full_hi_b = jnp.clip(full_hi // block_kv, full_lo_b, hi_b)
     if has_mask:  # Every block reads the mask anyway.
         full_hi_b = full_lo_b
 
@@ -300,7 +310,11 @@ def flash_prefill(
         num_seqs, q_rows, kv_rows = q.shape[0], q.shape[1], k.shape[1]
         dense_shape = (num_seqs, q_rows, kv_rows)
         num_tiles = num_seqs * pl.cdiv(q_rows, block_q)
-        index = jnp.stack([batch.q_len, batch.kv_len]).astype(jnp.int32)  # [2, B]
+        index = None
+        if batch.q_len is not None or batch.kv_len is not None:
+            full = lambda x, n: jnp.full((num_seqs,), n, jnp.int32) if x is None else x  # noqa: E731
+            index = jnp.stack([full(batch.q_len, q_rows), full(batch.kv_len, kv_rows)])
+            index = index.astype(jnp.int32)  # [2, B]
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
     else:
         dense_shape = None
@@ -309,8 +323,8 @@ def flash_prefill(
         index = _packed_tile_table(batch, block_q, num_tiles, params)
 
     optional = [bias, mask, alibi_slopes, rel_table]
-    has = tuple(x is not None for x in optional) + (return_lse,)
-    inputs = [index, q, k, v] + [x for x in optional if x is not None]
+    has = tuple(x is not None for x in [index, *optional]) + (return_lse,)
+    inputs = [x for x in [index, q, k, v, *optional] if x is not None]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
