@@ -37,6 +37,7 @@ from bench.common import (
 # timed again so that the sweep shows its own noise.
 DEFAULT_SWEEP = (
     "128x64x8x3",
+    "128x128x8x3",
     "128x64x8x2",
     "128x64x8x4",
     "128x128x8x2",
@@ -361,15 +362,18 @@ def packed_set(settings: Settings) -> SetResult:
     cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)  # [B+1]
 
     qkv_sets = _qkv_sets((packed.total,), heads, seed=1000)
+    packed_ref = _packed_reference(*qkv_sets[0], lengths, causal=True)
     max_len = int(lengths.max())
     packed_rows = _bench_ours(
         settings,
         set_name="prefill_packed",
         shape=packed.label,
         make_fn=_ours_packed(causal=True),
-        config=FlashPrefillConfig.heuristic(max_len, max_len, heads.head_dim, heads.dtype, True),
+        config=FlashPrefillConfig.heuristic(
+            max_len, max_len, heads.head_dim, heads.dtype, True, ragged=True, packed=True
+        ),
         arg_sets=[(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets],
-        ref=_packed_reference(*qkv_sets[0], lengths, causal=True),
+        ref=packed_ref,
         flops=attention_flops(lengths, heads, causal=True),
         notes="lengths " + ",".join(str(n) for n in lengths),
     )
@@ -388,15 +392,51 @@ def packed_set(settings: Settings) -> SetResult:
         flops=attention_flops([dense.seq_len] * dense.batch, heads, causal=True),
     )
 
+    # The alternative packing replaces: the same sequences padded to the longest, with
+    # lengths (rows past a sequence's length are zeros, as in the reference).
+    seq_ids = np.repeat(np.arange(len(lengths)), lengths)
+    positions = np.concatenate([np.arange(n) for n in lengths])
+
+    def pad(x, base):  # [T, H, D] -> [B, max_len, H, D]
+        return base.at[seq_ids, positions].set(x)
+
+    noise = _qkv_sets((len(lengths), max_len), heads, seed=3000)
+    padded_sets = [
+        tuple(pad(x, n) for x, n in zip(qkv, fill, strict=True))
+        for qkv, fill in zip(qkv_sets, noise * len(qkv_sets), strict=False)
+    ]
+    padded_ref = None
+    if packed_ref is not None:
+        padded_ref = pad(packed_ref, jnp.zeros((len(lengths), max_len, *packed_ref.shape[1:])))
+    lengths_arg = jnp.asarray(lengths, jnp.int32)
+    padded_rows = _bench_ours(
+        settings,
+        set_name="prefill_packed",
+        shape=f"padded B{len(lengths)} S{max_len} causal, lengths",
+        make_fn=lambda config: jax.jit(
+            lambda q, k, v: _ours_dense(causal=True)(config)(
+                q, k, v, q_lengths=lengths_arg, kv_lengths=lengths_arg
+            )
+        ),
+        config=FlashPrefillConfig.heuristic(
+            max_len, max_len, heads.head_dim, heads.dtype, True, ragged=True
+        ),
+        arg_sets=padded_sets,
+        ref=padded_ref,
+        flops=attention_flops(lengths, heads, causal=True),
+        notes="same sequences as the packed row; FLOPs counted on real tokens",
+    )
+
     # Mixed lengths do more work than equal ones (sum of S^2), so both ratios are shown.
-    packed_main, dense_main = packed_rows[0], dense_rows[0]
-    if packed_main.status == dense_main.status == "ok":
+    packed_main, dense_main, padded_main = packed_rows[0], dense_rows[0], padded_rows[0]
+    if packed_main.status == dense_main.status == padded_main.status == "ok":
         ratios = (
             f"time {packed_main.time_ms / dense_main.time_ms:.2f}x dense, "
-            f"TFLOP/s {packed_main.rate / dense_main.rate:.2f}x dense"
+            f"TFLOP/s {packed_main.rate / dense_main.rate:.2f}x dense, "
+            f"time {packed_main.time_ms / padded_main.time_ms:.2f}x padded"
         )
-        print(f"  {packed.label} vs {dense.label}: {ratios}", flush=True)
+        print(f"  {packed.label} vs {dense.label} and padded: {ratios}", flush=True)
         packed_rows[0] = dataclasses.replace(
             packed_main, notes=join_notes(packed_main.notes, ratios)
         )
-    return SetResult("prefill_packed", heads.describe(), packed_rows + dense_rows)
+    return SetResult("prefill_packed", heads.describe(), packed_rows + dense_rows + padded_rows)

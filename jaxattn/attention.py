@@ -106,7 +106,10 @@ def _pallas(static: _Static, config, qkv, lengths, extras):
     if config is None:
         max_q = q.shape[0] if static.packed else q.shape[1]
         max_kv = k.shape[0] if static.packed else k.shape[1]
-        config = FlashPrefillConfig.heuristic(max_q, max_kv, q.shape[-1], q.dtype, static.causal)
+        config = FlashPrefillConfig.heuristic(
+            max_q, max_kv, q.shape[-1], q.dtype, static.causal,
+            ragged=static.packed or any(x is not None for x in lengths), packed=static.packed,
+        )
     return flash_prefill(
         q, k, v, _batch(static, q, k, lengths), bias=bias, mask=mask, alibi_slopes=alibi,
         rel_table=rel_table, params=params, config=config, return_lse=static.return_lse,

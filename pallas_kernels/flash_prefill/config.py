@@ -41,16 +41,26 @@ class FlashPrefillConfig:
 
     @classmethod
     def heuristic(
-        cls, q_len: int, kv_len: int, head_dim: int, dtype, causal: bool = False
+        cls, q_len: int, kv_len: int, head_dim: int, dtype, causal: bool = False,
+        ragged: bool = False, packed: bool = False,
     ) -> FlashPrefillConfig:
-        """A config for the shape: `q_len`/`kv_len` are per-sequence token counts (max)."""
-        del kv_len, causal  # The tiling below is the same for both (measured on H100).
+        """A config for the shape.
+
+        `q_len`/`kv_len` are per-sequence token counts (the maximum); `ragged` says the
+        lengths are data (q/kv lengths given), `packed` that the batch is packed (cu_seqlens).
+        Measured on an H100 (bench/RESULTS.md, 2026-11-22), bf16 D128 GQA 32/8: 128x128
+        tiles run 4-20% faster than 128x64 with static lengths but 15-25% slower with
+        lengths as data; three pipeline stages beat two and four everywhere; packed
+        mixed-length batches run 10% faster on 64x32 tiles (less waste in partial tiles).
+        """
+        del kv_len, causal  # Same tiling for both on the measured rows.
         padded_dim = next_power_of_2(head_dim)
-        wide = jnp.dtype(dtype).itemsize >= 4
-        if padded_dim >= 256 or wide:
+        if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 2
+        elif padded_dim >= 128 and packed:
+            block_q, block_kv, num_warps, num_stages = 64, 32, 4, 3
         elif padded_dim >= 128:
-            block_q, block_kv, num_warps, num_stages = 128, 64, 8, 3
+            block_q, block_kv, num_warps, num_stages = 128, 64 if ragged else 128, 8, 3
         else:
             block_q, block_kv, num_warps, num_stages = 128, 64, 4, 3
         block_q = min(block_q, max(16, next_power_of_2(q_len)))

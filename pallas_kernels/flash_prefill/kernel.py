@@ -82,12 +82,14 @@ def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: Logit
 
     Tiles are sorted by the number of keys they visit, largest first, so the long causal
     tiles do not form the tail. Spare tiles (the count is a static bound) get a row past
-    their sequence's end and do nothing.
+    their sequence's end and do nothing. Built from a few fused elementwise ops and one
+    sort: this runs on every call, next to a kernel of a millisecond or less.
     """
-    n = (batch.q_rows + block_q - 1) // block_q
+    n = (batch.q_rows + block_q - 1) // block_q  # [S] tiles per sequence
     ends = jnp.cumsum(n)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), n.shape[0] - 1).astype(jnp.int32)
+    seq = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)  # [num_tiles]
+    seq = jnp.minimum(seq, n.shape[0] - 1)
     row = (t - (ends - n)[seq]) * block_q
     kv_len, q_len = batch.kv_len[seq], batch.q_len[seq]
     cost = kv_len
@@ -96,11 +98,9 @@ def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: Logit
     if params.window is not None:
         cost = jnp.minimum(cost, params.window + block_q + params.sink_tokens)
     cost = jnp.where(row < batch.q_rows[seq], jnp.maximum(cost, 1), 0)
-    table = jnp.stack(
-        [batch.q_start[seq], batch.q_rows[seq], q_len, batch.k_start[seq], kv_len, row, seq],
-        axis=1,
-    )
-    return table[jnp.argsort(-cost, stable=True)].astype(jnp.int32)
+    columns = [batch.q_start[seq], batch.q_rows[seq], q_len, batch.k_start[seq], kv_len, row, seq]
+    columns = jax.lax.sort([-cost, *(c.astype(jnp.int32) for c in columns)], num_keys=1)[1:]
+    return jnp.stack(columns, axis=1)
 
 
 def _flash_prefill_kernel(
