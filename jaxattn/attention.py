@@ -63,9 +63,16 @@ def _reference(static: _Static, qkv, lengths, extras):
         else RelativeBias(rel_table, static.rel_max_distance, static.rel_bidirectional)
     )
     opts = dict(
-        causal=static.causal, window=static.window, sink_tokens=static.sink_tokens,
-        alibi_slopes=alibi, bias=bias, mask=mask, relative_bias=relative_bias,
-        soft_cap=static.soft_cap, scale=static.scale, return_lse=True,
+        causal=static.causal,
+        window=static.window,
+        sink_tokens=static.sink_tokens,
+        alibi_slopes=alibi,
+        bias=bias,
+        mask=mask,
+        relative_bias=relative_bias,
+        soft_cap=static.soft_cap,
+        scale=static.scale,
+        return_lse=True,
     )
     if static.packed:
         cu_q, cu_k = lengths
@@ -99,20 +106,39 @@ def _pallas(static: _Static, config, qkv, lengths, extras):
     q, k, v = qkv
     alibi, bias, mask, rel_table = extras
     params = LogitParams(
-        causal=static.causal, window=static.window, sink_tokens=static.sink_tokens,
-        soft_cap=static.soft_cap, scale=static.scale, packed_coords=static.packed,
-        rel_max_distance=static.rel_max_distance, rel_bidirectional=static.rel_bidirectional,
+        causal=static.causal,
+        window=static.window,
+        sink_tokens=static.sink_tokens,
+        soft_cap=static.soft_cap,
+        scale=static.scale,
+        packed_coords=static.packed,
+        rel_max_distance=static.rel_max_distance,
+        rel_bidirectional=static.rel_bidirectional,
     )
     if config is None:
         max_q = q.shape[0] if static.packed else q.shape[1]
         max_kv = k.shape[0] if static.packed else k.shape[1]
         config = FlashPrefillConfig.heuristic(
-            max_q, max_kv, q.shape[-1], q.dtype, static.causal,
-            ragged=static.packed or any(x is not None for x in lengths), packed=static.packed,
+            max_q,
+            max_kv,
+            q.shape[-1],
+            q.dtype,
+            static.causal,
+            ragged=static.packed or any(x is not None for x in lengths),
+            packed=static.packed,
         )
     return flash_prefill(
-        q, k, v, _batch(static, q, k, lengths), bias=bias, mask=mask, alibi_slopes=alibi,
-        rel_table=rel_table, params=params, config=config, return_lse=static.return_lse,
+        q,
+        k,
+        v,
+        _batch(static, q, k, lengths),
+        bias=bias,
+        mask=mask,
+        alibi_slopes=alibi,
+        rel_table=rel_table,
+        params=params,
+        config=config,
+        return_lse=static.return_lse,
         interpret=use_interpret(),
     )
 
@@ -151,7 +177,24 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
+def _empty(static: _Static, q, k):
+    """No query rows or no keys (a static size of 0): zeros, and lse = -inf."""
+    out = jnp.zeros(q.shape, q.dtype)
+    if not static.return_lse:
+        return out
+    num_q_heads = q.shape[-2]
+    if static.packed:
+        lse_shape = (num_q_heads, q.shape[0])
+    else:
+        lse_shape = (q.shape[0], num_q_heads, q.shape[1])
+    return out, jnp.full(lse_shape, -jnp.inf, jnp.float32)
+
+
 def _run(implementation, static, config, qkv, lengths, extras):
+    q, k, _ = qkv
+    token_axis = 0 if static.packed else 1
+    if q.shape[token_axis] == 0 or k.shape[token_axis] == 0:
+        return _empty(static, q, k)
     errors = []
     for impl in resolve_implementations(implementation):
         try:
@@ -163,13 +206,33 @@ def _run(implementation, static, config, qkv, lengths, extras):
     raise NotImplementedError("no implementation could run this call: " + "; ".join(errors))
 
 
-def _prepare(q, k, v, *, packed, causal, window, sink_tokens, alibi_slopes, bias, mask,
-             relative_bias, soft_cap, scale, return_lse):
+def _prepare(
+    q,
+    k,
+    v,
+    *,
+    packed,
+    causal,
+    window,
+    sink_tokens,
+    alibi_slopes,
+    bias,
+    mask,
+    relative_bias,
+    soft_cap,
+    scale,
+    return_lse,
+):
     validation.check_qkv(q, k, v, packed=packed)
     num_q_heads, head_dim = q.shape[-2:]
     validation.check_options(
-        num_q_heads=num_q_heads, window=window, sink_tokens=sink_tokens,
-        alibi_slopes=alibi_slopes, relative_bias=relative_bias, soft_cap=soft_cap, scale=scale,
+        num_q_heads=num_q_heads,
+        window=window,
+        sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        soft_cap=soft_cap,
+        scale=scale,
     )
     if packed:
         target = (1, num_q_heads, q.shape[0], k.shape[0])
@@ -180,9 +243,13 @@ def _prepare(q, k, v, *, packed, causal, window, sink_tokens, alibi_slopes, bias
     rel_table = None if relative_bias is None else relative_bias.table.astype(jnp.float32)
     alibi = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
     static = _Static(
-        packed=packed, causal=bool(causal), window=None if window is None else int(window),
-        sink_tokens=int(sink_tokens), soft_cap=None if soft_cap is None else float(soft_cap),
-        scale=head_dim**-0.5 if scale is None else float(scale), return_lse=bool(return_lse),
+        packed=packed,
+        causal=bool(causal),
+        window=None if window is None else int(window),
+        sink_tokens=int(sink_tokens),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        return_lse=bool(return_lse),
         rel_max_distance=0 if relative_bias is None else relative_bias.max_distance,
         rel_bidirectional=False if relative_bias is None else relative_bias.bidirectional,
     )
@@ -237,9 +304,20 @@ def attention(
       `return_lse`, `(out, lse)`.
     """
     static, extras = _prepare(
-        q, k, v, packed=False, causal=causal, window=window, sink_tokens=sink_tokens,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, relative_bias=relative_bias,
-        soft_cap=soft_cap, scale=scale, return_lse=return_lse,
+        q,
+        k,
+        v,
+        packed=False,
+        causal=causal,
+        window=window,
+        sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        mask=mask,
+        relative_bias=relative_bias,
+        soft_cap=soft_cap,
+        scale=scale,
+        return_lse=return_lse,
     )
     validation.check_int_vector("q_lengths", q_lengths, q.shape[0])
     validation.check_int_vector("kv_lengths", kv_lengths, q.shape[0])
@@ -292,10 +370,19 @@ def ragged_attention(
     validation.check_int_vector("cu_seqlens_q", cu_seqlens_q, num_seqs + 1)
     validation.check_int_vector("cu_seqlens_k", cu_seqlens_k, num_seqs + 1)
     static, extras = _prepare(
-        q, k, v, packed=True, causal=causal, window=window, sink_tokens=sink_tokens,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, relative_bias=relative_bias,
-        soft_cap=soft_cap, scale=scale, return_lse=return_lse,
+        q,
+        k,
+        v,
+        packed=True,
+        causal=causal,
+        window=window,
+        sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        mask=mask,
+        relative_bias=relative_bias,
+        soft_cap=soft_cap,
+        scale=scale,
+        return_lse=return_lse,
     )
-    return _run(
-        implementation, static, config, (q, k, v), (cu_seqlens_q, cu_seqlens_k), extras
-    )
+    return _run(implementation, static, config, (q, k, v), (cu_seqlens_q, cu_seqlens_k), extras)

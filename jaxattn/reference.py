@@ -36,9 +36,7 @@ def _visible(q_pos, k_pos, *, causal, window, sink_tokens):
     return visible
 
 
-def _attend(
-    q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bias, relative_bias
-):
+def _attend(q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bias, relative_bias):
     """Masked softmax attention with explicit positions.
 
     q `[B, Tq, Hq, D]`; k, v `[B, Tk, Hkv, D]`; q_pos `[B, Tq]` and k_pos `[B, Tk]` int32;
@@ -118,7 +116,10 @@ def attention_reference(
     q_pos = (kv_len - q_len)[:, None] + rows[None, :]  # [B, Tq]
     k_pos = jnp.broadcast_to(jnp.arange(tk, dtype=jnp.int32), (batch, tk))  # [B, Tk]
     visible = _visible(
-        q_pos[:, :, None], k_pos[:, None, :], causal=causal, window=window,
+        q_pos[:, :, None],
+        k_pos[:, None, :],
+        causal=causal,
+        window=window,
         sink_tokens=sink_tokens,
     )
     visible &= (rows[None, :, None] < q_len[:, None, None]) & (
@@ -127,10 +128,20 @@ def attention_reference(
     visible = visible[:, None]  # [B, 1, Tq, Tk]
     if mask is not None:
         visible = visible & mask
+    # Padding keys get zero weight, but 0 * NaN is NaN: padding values must not leak.
+    v = jnp.where((k_pos < kv_len[:, None])[:, :, None, None], v, 0)
     out, lse = _attend(
-        q, k, v, q_pos, k_pos, visible,
-        scale=head_dim**-0.5 if scale is None else scale, soft_cap=soft_cap,
-        alibi_slopes=alibi_slopes, bias=bias, relative_bias=relative_bias,
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+        visible,
+        scale=head_dim**-0.5 if scale is None else scale,
+        soft_cap=soft_cap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        relative_bias=relative_bias,
     )
     return (out, lse) if return_lse else out
 
@@ -180,17 +191,28 @@ def ragged_attention_reference(
     q_pos = kv_lens - q_lens + q_local  # [Tq]
 
     visible = _visible(
-        q_pos[:, None], k_pos[None, :], causal=causal, window=window,
+        q_pos[:, None],
+        k_pos[None, :],
+        causal=causal,
+        window=window,
         sink_tokens=sink_tokens,
     )
     visible &= (q_seq[:, None] == k_seq[None, :]) & q_valid[:, None] & k_valid[None, :]
     visible = visible[None, None]  # [1, 1, Tq, Tk]
     if mask is not None:
         visible = visible & mask[None]
+    v = jnp.where(k_valid[:, None, None], v, 0)  # padding values must not leak (0 * NaN)
     out, lse = _attend(
-        q[None], k[None], v[None], q_pos[None], k_pos[None], visible,
-        scale=head_dim**-0.5 if scale is None else scale, soft_cap=soft_cap,
-        alibi_slopes=alibi_slopes, bias=None if bias is None else bias[None],
+        q[None],
+        k[None],
+        v[None],
+        q_pos[None],
+        k_pos[None],
+        visible,
+        scale=head_dim**-0.5 if scale is None else scale,
+        soft_cap=soft_cap,
+        alibi_slopes=alibi_slopes,
+        bias=None if bias is None else bias[None],
         relative_bias=relative_bias,
     )
     return (out[0], lse[0]) if return_lse else out[0]

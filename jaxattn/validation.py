@@ -25,6 +25,9 @@ def check_qkv(q, k, v, *, packed: bool) -> None:
             _fail(f"{name}.shape={x.shape}: expected rank {rank} {layout}")
         if str(x.dtype) not in _FLOAT_DTYPES:
             _fail(f"{name}.dtype={x.dtype}: expected one of {_FLOAT_DTYPES}")
+    for name, x in (("q", q), ("k", k)):
+        if min(x.shape[-2:]) < 1 or (not packed and x.shape[0] < 1):
+            _fail(f"{name}.shape={x.shape}: batch, head and head_dim sizes must be >= 1")
     if k.shape != v.shape:
         _fail(f"{k.shape=} and {v.shape=} must be equal")
     if not packed and q.shape[0] != k.shape[0]:
@@ -68,8 +71,8 @@ def check_options(
         _fail(f"{window=}: expected a positive integer or None")
     if int(sink_tokens) != sink_tokens or sink_tokens < 0:
         _fail(f"{sink_tokens=}: expected a non-negative integer")
-    if soft_cap is not None and not soft_cap > 0:
-        _fail(f"{soft_cap=}: expected a positive number or None")
+    if soft_cap is not None and not (soft_cap > 0 and np.isfinite(soft_cap)):
+        _fail(f"{soft_cap=}: expected a positive finite number or None")
     if scale is not None and not np.isfinite(scale):
         _fail(f"{scale=}: expected a finite number or None")
     if alibi_slopes is not None and alibi_slopes.shape != (num_q_heads,):
@@ -85,5 +88,7 @@ def check_options(
             _fail(f"relative_bias.table.shape={table.shape}: needs >= {min_buckets} buckets")
         exact = table.shape[1] // (4 if relative_bias.bidirectional else 2)
         if relative_bias.max_distance <= exact:
-            _fail(f"relative_bias.max_distance={relative_bias.max_distance}: must exceed the "
-                  "exact-bucket range num_buckets // 4 (bidirectional) or // 2")
+            _fail(
+                f"relative_bias.max_distance={relative_bias.max_distance}: must exceed the "
+                "exact-bucket range num_buckets // 4 (bidirectional) or // 2"
+            )

@@ -66,7 +66,6 @@ class Packed(Options):
     k_pad: int = 0  # trailing key rows past cu_seqlens_k[-1]
 
 
-T = util.tokens
 BHQK = ("B", "H", "Tq", "Tk")
 HQK = ("H", "Tq", "Tk")
 
@@ -84,8 +83,11 @@ DENSE = [
     Dense(name="lengths_causal", q_lengths=(30, 11), kv_lengths=(37, 25), causal=True),
     Dense(name="lengths_cross", tq=20, tk=45, q_lengths=(20, 7), kv_lengths=(13, 45)),
     Dense(
-        name="lengths_0_and_1_causal", batch=4, q_lengths=(0, 1, 37, 5),
-        kv_lengths=(10, 1, 0, 37), causal=True,
+        name="lengths_0_and_1_causal",
+        batch=4,
+        q_lengths=(0, 1, 37, 5),
+        kv_lengths=(10, 1, 0, 37),
+        causal=True,
     ),
     Dense(name="lengths_0_and_1", batch=4, q_lengths=(0, 1, 37, 1), kv_lengths=(10, 0, 1, 37)),
     Dense(name="q_longer_than_kv_causal", q_lengths=(37, 30), kv_lengths=(20, 10), causal=True),
@@ -111,29 +113,63 @@ DENSE = [
     Dense(name="t5_unidirectional_causal", tq=70, rel=(32, 128, False), causal=True),
     Dense(name="t5_small_buckets", rel=(8, 20, True)),
     Dense(
-        name="t5_cross_lengths", tq=30, tk=60, q_lengths=(30, 9), kv_lengths=(41, 60),
+        name="t5_cross_lengths",
+        tq=30,
+        tk=60,
+        q_lengths=(30, 9),
+        kv_lengths=(41, 60),
         rel=(16, 32, True),
     ),
     Dense(name="soft_cap", soft_cap=2.0, scale=0.5),
     Dense(name="scale", scale=0.3, causal=True),
     Dense(name="no_lse", causal=True, return_lse=False),
     Dense(
-        name="gqa_causal_window_sinks_alibi_softcap", causal=True, window=10, sink_tokens=3,
-        alibi=True, soft_cap=3.0, q_lengths=(37, 26), kv_lengths=(37, 33), core=True,
+        name="gqa_causal_window_sinks_alibi_softcap",
+        causal=True,
+        window=10,
+        sink_tokens=3,
+        alibi=True,
+        soft_cap=3.0,
+        q_lengths=(37, 26),
+        kv_lengths=(37, 33),
+        core=True,
     ),
     Dense(
-        name="mqa_bias_mask_t5_softcap_lengths", hkv=1, bias=("B", 1, "Tq", "Tk"),
-        mask=BHQK, rel=(32, 64, True), soft_cap=4.0, q_lengths=(37, 20), kv_lengths=(37, 29),
+        name="mqa_bias_mask_t5_softcap_lengths",
+        hkv=1,
+        bias=("B", 1, "Tq", "Tk"),
+        mask=BHQK,
+        rel=(32, 64, True),
+        soft_cap=4.0,
+        q_lengths=(37, 20),
+        kv_lengths=(37, 29),
     ),
     Dense(
-        name="chunked_everything", tq=21, tk=60, causal=True, window=12, sink_tokens=2,
-        alibi=True, bias=(1, "H", 1, "Tk"), mask=("B", 1, "Tq", "Tk"), rel=(16, 64, False),
-        soft_cap=5.0, scale=0.2, q_lengths=(21, 8), kv_lengths=(60, 31),
+        name="chunked_everything",
+        tq=21,
+        tk=60,
+        causal=True,
+        window=12,
+        sink_tokens=2,
+        alibi=True,
+        bias=(1, "H", 1, "Tk"),
+        mask=("B", 1, "Tq", "Tk"),
+        rel=(16, 64, False),
+        soft_cap=5.0,
+        scale=0.2,
+        q_lengths=(21, 8),
+        kv_lengths=(60, 31),
     ),
     Dense(name="long_causal_lengths", tq=100, q_lengths=(100, 77), causal=True, slow=True),
     Dense(
-        name="long_cross_window", tq=64, tk=100, window=33, sink_tokens=16, causal=True,
-        alibi=True, slow=True,
+        name="long_cross_window",
+        tq=64,
+        tk=100,
+        window=33,
+        sink_tokens=16,
+        causal=True,
+        alibi=True,
+        slow=True,
     ),
 ]
 
@@ -226,9 +262,7 @@ def _extras(case: Options, rng, sizes, dtype, row_axis):
     if case.rel is not None:
         num_buckets, max_distance, bidirectional = case.rel
         table = rng.standard_normal((case.hq, num_buckets)).astype(np.float32)
-        kw["relative_bias"] = jaxattn.RelativeBias(
-            jnp.asarray(table), max_distance, bidirectional
-        )
+        kw["relative_bias"] = jaxattn.RelativeBias(jnp.asarray(table), max_distance, bidirectional)
         okw["relative_bias"] = (table, max_distance, bidirectional)
     return kw, okw
 
@@ -276,7 +310,9 @@ def build_packed(case: Packed, dtype: str, head_dim: int | None = None) -> Input
     kw, okw = _extras(case, rng, sizes, dtype, row_axis=-2)
     positional = (jnp.asarray(cu_q), jnp.asarray(cu_k))
     okw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    return Inputs(q, k, v, positional, kw, okw, np.arange(tq) >= cu_q[-1], np.arange(tk) >= cu_k[-1])
+    return Inputs(
+        q, k, v, positional, kw, okw, np.arange(tq) >= cu_q[-1], np.arange(tk) >= cu_k[-1]
+    )
 
 
 # ------------------------------------------------------------------------- running

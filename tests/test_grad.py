@@ -32,6 +32,8 @@ GRAD_CASES = [
            alibi=True, bias=("H", "Tq", "Tk"), soft_cap=3.0),
 ]  # fmt: skip
 ids = [c.name for c in GRAD_CASES]
+# The backward pass recomputes through the reference, so both sides see the same math.
+GRAD_TOL = dict(rtol=1e-4, atol=1e-4) if util.ON_GPU else dict(rtol=1e-5, atol=1e-5)
 
 
 def _setup(case):
@@ -85,12 +87,12 @@ def test_grad_matches_reference(case, impl):
     ref_loss = _loss_fn(ref_op, packed, inp, static, consts, rel, weights)
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
     ref_value, ref_grads = jax.jit(jax.value_and_grad(ref_loss))(params)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(value, ref_value, **GRAD_TOL)
     for name in params:
         g = np.asarray(grads[name])
         assert g.shape == params[name].shape and g.dtype == params[name].dtype, name
         assert np.isfinite(g).all(), f"d{name}: non-finite values"
-        np.testing.assert_allclose(g, ref_grads[name], rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(g, ref_grads[name], **GRAD_TOL, err_msg=name)
     # Padding query rows do not influence anything: their gradient is exactly 0.
     g_q = np.asarray(grads["q"])
     assert (g_q[np.broadcast_to(inp.q_pad[..., None, None], g_q.shape)] == 0).all()
@@ -160,6 +162,6 @@ def test_grad_out_only_no_nan(impl):
     got, want = grads(inp.q, inp.k, inp.v), ref_grads(inp.q, inp.k, inp.v)
     for name, g, w in zip("qkv", got, want):
         assert np.isfinite(np.asarray(g)).all(), f"d{name}: non-finite"
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(g, w, **GRAD_TOL, err_msg=name)
     # Sequence 1 has no keys: nothing flows to it.
     assert (np.asarray(got[0])[1] == 0).all()

@@ -115,9 +115,9 @@ def assert_zero_rows(out, rows_mask, what: str):
     """Rows selected by `rows_mask` (broadcast over the trailing dims) must be exactly 0."""
     out = np.asarray(jnp.asarray(out, jnp.float32))
     sel = out[np.broadcast_to(rows_mask, out.shape)]
-    assert (sel == 0).all(), f"{what}: {np.sum(sel != 0)} values not exactly 0 (nan: " + str(
-        np.isnan(sel).sum()
-    ) + ")"
+    assert (sel == 0).all(), (
+        f"{what}: {np.sum(sel != 0)} values not exactly 0 (nan: " + str(np.isnan(sel).sum()) + ")"
+    )
 
 
 def poison_value(dtype: str, kind: str) -> float:

@@ -41,8 +41,14 @@ class FlashPrefillConfig:
 
     @classmethod
     def heuristic(
-        cls, q_len: int, kv_len: int, head_dim: int, dtype, causal: bool = False,
-        ragged: bool = False, packed: bool = False,
+        cls,
+        q_len: int,
+        kv_len: int,
+        head_dim: int,
+        dtype,
+        causal: bool = False,
+        ragged: bool = False,
+        packed: bool = False,
     ) -> FlashPrefillConfig:
         """A config for the shape.
 

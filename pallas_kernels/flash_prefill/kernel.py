@@ -105,8 +105,13 @@ def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: Logit
 
 def _flash_prefill_kernel(
     *refs,
-    params: LogitParams, has: tuple[bool, ...], block_q: int, block_kv: int,
-    head_dim: int, group: int, dense_shape: tuple[int, int, int] | None,
+    params: LogitParams,
+    has: tuple[bool, ...],
+    block_q: int,
+    block_kv: int,
+    head_dim: int,
+    group: int,
+    dense_shape: tuple[int, int, int] | None,
 ):
     has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
@@ -146,7 +151,8 @@ def _flash_prefill_kernel(
 
     q = plgpu.load(  # [block_q, Dp]
         q_ref.at[pl.ds(q_start + r0, block_q), h, dims],
-        mask=row_store[:, None] & dim_ok, other=0.0,
+        mask=row_store[:, None] & dim_ok,
+        other=0.0,
     )
     # Triton's default for float32 dots is TF32; float32 inputs ask for float32 products.
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -284,8 +290,18 @@ def _flash_prefill_kernel(
 
 @functools.partial(jax.jit, static_argnames=("params", "config", "return_lse", "interpret"))
 def flash_prefill(
-    q, k, v, batch: Batch, *, bias=None, mask=None, alibi_slopes=None, rel_table=None,
-    params: LogitParams, config: FlashPrefillConfig, return_lse: bool = False,
+    q,
+    k,
+    v,
+    batch: Batch,
+    *,
+    bias=None,
+    mask=None,
+    alibi_slopes=None,
+    rel_table=None,
+    params: LogitParams,
+    config: FlashPrefillConfig,
+    return_lse: bool = False,
     interpret: bool = False,
 ):
     """Flash attention of a dense or a packed batch.
@@ -330,8 +346,13 @@ def flash_prefill(
         out_shape.append(jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
 
     kernel = functools.partial(
-        _flash_prefill_kernel, params=params, has=has, block_q=block_q,
-        block_kv=config.block_kv, head_dim=head_dim, group=num_q_heads // num_kv_heads,
+        _flash_prefill_kernel,
+        params=params,
+        has=has,
+        block_q=block_q,
+        block_kv=config.block_kv,
+        head_dim=head_dim,
+        group=num_q_heads // num_kv_heads,
         dense_shape=dense_shape,
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
