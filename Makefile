@@ -20,8 +20,10 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 tests
 
 # The same suite with the kernels compiled for the GPU (bf16 tolerances, bigger shapes).
+# Triton compiles are CPU-bound: 8 workers share the GPU, none preallocating its memory.
 test-gpu:
-	PYTHONPATH=. $(GPU_PY) -m pytest -q -p no:cacheprovider tests
+	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PY) -m pytest -q -rf --tb=line \
+		-p no:cacheprovider -n 8 tests
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run

@@ -24,7 +24,7 @@ IMPLEMENTATIONS = ("xla", "pallas")
 # Several q tiles and key blocks per sequence even at CPU sizes.
 CPU_CONFIG = jaxattn.FlashPrefillConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2)
 
-GPU_SCALE = 8  # token counts and lengths (> 1) are multiplied by this on a GPU
+GPU_SCALE = 4  # token counts and lengths (> 1) are multiplied by this on a GPU
 DEFAULT_HEAD_DIM = 128 if ON_GPU else 32
 # The head-dim sweep: real models on a GPU; one odd size (padded in-kernel) on CPU.
 HEAD_DIMS = (64, 80, 96, 128, 256) if ON_GPU else (40,)
