@@ -370,7 +370,7 @@ def packed_set(settings: Settings) -> SetResult:
         shape=packed.label,
         make_fn=_ours_packed(causal=True),
         config=FlashPrefillConfig.heuristic(
-            max_len, max_len, heads.head_dim, heads.dtype, True, ragged=True, packed=True
+            max_len, max_len, heads.head_dim, heads.dtype, True, lengths=True, packed=True
         ),
         arg_sets=[(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets],
         ref=packed_ref,
@@ -419,7 +419,7 @@ def packed_set(settings: Settings) -> SetResult:
             )
         ),
         config=FlashPrefillConfig.heuristic(
-            max_len, max_len, heads.head_dim, heads.dtype, True, ragged=True
+            max_len, max_len, heads.head_dim, heads.dtype, True, lengths=True
         ),
         arg_sets=padded_sets,
         ref=padded_ref,

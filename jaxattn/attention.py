@@ -124,8 +124,9 @@ def _pallas(static: _Static, config, qkv, lengths, extras):
             q.shape[-1],
             q.dtype,
             static.causal,
-            ragged=static.packed or any(x is not None for x in lengths),
+            lengths=static.packed or any(x is not None for x in lengths),
             packed=static.packed,
+            logit_tiles=any(x is not None for x in (bias, mask, rel_table)),
         )
     return flash_prefill(
         q,

@@ -47,26 +47,32 @@ class FlashPrefillConfig:
         head_dim: int,
         dtype,
         causal: bool = False,
-        ragged: bool = False,
+        *,
+        lengths: bool = False,
         packed: bool = False,
+        logit_tiles: bool = False,
     ) -> FlashPrefillConfig:
-        """A config for the shape.
+        """A config for the shape and features.
 
-        `q_len`/`kv_len` are per-sequence token counts (the maximum); `ragged` says the
-        lengths are data (q/kv lengths given), `packed` that the batch is packed (cu_seqlens).
-        Measured on an H100 (bench/RESULTS.md, 2026-11-22), bf16 D128 GQA 32/8: 128x128
-        tiles run 4-20% faster than 128x64 with static lengths but 15-25% slower with
-        lengths as data; three pipeline stages beat two and four everywhere; packed
-        mixed-length batches run 10% faster on 64x32 tiles (less waste in partial tiles).
+        `q_len`/`kv_len` are per-sequence token counts (the maximum); `lengths`: q/kv
+        lengths are data; `packed`: a packed (cu_seqlens) batch; `logit_tiles`: a bias,
+        mask or T5 table is read per key block. Measured on an H100 (bench/RESULTS.md,
+        2026-11-22), bf16 D128 GQA 32/8: 128x128 tiles run 4-20% faster than 128x64 with
+        static lengths but 15-25% slower with lengths as data; three pipeline stages beat
+        two and four; packed mixed-length batches run 10% faster on 64x32 tiles (less
+        waste in partial tiles). Bias/mask/T5 tiles are pipelined too: at 128x128x3 they
+        need up to 352 KiB of shared memory (the H100 has 227), at 128x64x2 they fit.
         """
         del kv_len, causal  # Same tiling for both on the measured rows.
         padded_dim = next_power_of_2(head_dim)
         if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 2
+        elif logit_tiles:
+            block_q, block_kv, num_warps, num_stages = 128, 64, 8 if padded_dim >= 128 else 4, 2
         elif padded_dim >= 128 and packed:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 3
         elif padded_dim >= 128:
-            block_q, block_kv, num_warps, num_stages = 128, 64 if ragged else 128, 8, 3
+            block_q, block_kv, num_warps, num_stages = 128, 64 if lengths else 128, 8, 3
         else:
             block_q, block_kv, num_warps, num_stages = 128, 64, 4, 3
         block_q = min(block_q, max(16, next_power_of_2(q_len)))

@@ -250,7 +250,9 @@ def _flash_prefill_kernel(
         p_first = kv_len - q_len + r0
         p_last = p_first + n_valid - 1
         hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
-        hi = jnp.where(n_valid > 0, jnp.maximum(hi, 0), 0)
+        # hi = 0 for a tile with no real row. (Integer arithmetic: Triton's lowering of a
+        # select between constants trips over an i1/i32 mix in jax 0.10-0.11.)
+        hi = jnp.maximum(hi, 0) * jnp.minimum(n_valid, 1)
         full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
         lo, full_lo = 0, 0
         if params.window is not None:
