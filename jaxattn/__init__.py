@@ -1,22 +1,38 @@
 """jaxattn: attention for large language models in JAX, with Pallas GPU kernels.
 
 Context phase: `attention` (padded batch) and `ragged_attention` (packed, cu_seqlens).
+Generation phase: `paged_decode` over a `PagedKVCache` (`write_kv`, `gather_kv`).
 Every op takes `implementation="pallas"` (the kernels; Pallas interpret mode off-GPU),
 `"xla"` (the pure-jnp reference) or None (pallas on a GPU, xla elsewhere).
 """
 
 from jaxattn.attention import attention, ragged_attention
+from jaxattn.cache import PagedKVCache, gather_kv, write_kv
+from jaxattn.decode import contiguous_kv_cache, paged_decode, validate_page_table
 from jaxattn.positional import RelativeBias, alibi_slopes, relative_position_bucket
-from jaxattn.reference import attention_reference, ragged_attention_reference
+from jaxattn.reference import (
+    attention_reference,
+    paged_decode_reference,
+    ragged_attention_reference,
+)
 from pallas_kernels.flash_prefill import FlashPrefillConfig
+from pallas_kernels.paged_decode import PagedDecodeConfig
 
 __all__ = [
     "FlashPrefillConfig",
+    "PagedDecodeConfig",
+    "PagedKVCache",
     "RelativeBias",
     "alibi_slopes",
     "attention",
     "attention_reference",
+    "contiguous_kv_cache",
+    "gather_kv",
+    "paged_decode",
+    "paged_decode_reference",
     "ragged_attention",
     "ragged_attention_reference",
     "relative_position_bucket",
+    "validate_page_table",
+    "write_kv",
 ]

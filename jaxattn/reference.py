@@ -216,3 +216,45 @@ def ragged_attention_reference(
         relative_bias=relative_bias,
     )
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def paged_decode_reference(
+    q,
+    cache,
+    block_tables,
+    context_lens,
+    *,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_slopes=None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """One query token per sequence against its paged history (generation phase).
+
+    q `[B, Hq, D]`; sequence b holds `context_lens[b]` tokens (the new one included, so the
+    query sits at position `context_lens[b] - 1`) in pages `block_tables[b]` of `cache`.
+    Returns out `[B, Hq, D]` (and lse `[B, Hq]`).
+    """
+    from jaxattn.cache import gather_kv  # (cache imports nothing from here)
+
+    max_len = block_tables.shape[1] * cache.page_size
+    k, v = gather_kv(cache, block_tables, context_lens, max_len)
+    out = attention_reference(
+        q[:, None],
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        causal=True,
+        q_lengths=jnp.ones_like(context_lens),
+        kv_lengths=context_lens,
+        window=window,
+        sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes,
+        soft_cap=soft_cap,
+        scale=scale,
+        return_lse=return_lse,
+    )
+    if return_lse:
+        return out[0][:, 0], out[1][:, :, 0]
+    return out[:, 0]

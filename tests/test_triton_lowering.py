@@ -109,3 +109,30 @@ def test_interpret_override_is_respected():
     from pallas_kernels.common import use_interpret
 
     assert use_interpret() is False
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 128])
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(window=100, sink_tokens=4, soft_cap=30.0), dict(alibi_slopes=_spec((32,)))],
+    ids=["plain", "window_sinks_softcap", "alibi"],
+)  # fmt: skip
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_lowers_to_triton(page_size, options, num_splits):
+    arrays, static = _split(options)
+    config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=num_splits)
+    fn = jax.jit(
+        lambda q, cache, tables, lengths, arrays: jaxattn.paged_decode(
+            q, cache, tables, lengths, implementation="pallas", config=config, **static, **arrays
+        )
+    )
+    pages = _spec((64, 8, page_size, 128))
+    text = _lower(
+        fn,
+        _spec((4, 32, 128)),
+        jaxattn.PagedKVCache(pages, pages),
+        _spec((4, 2048 // page_size), jnp.int32),
+        _spec((4,), jnp.int32),
+        arrays,
+    )
+    assert "triton" in text

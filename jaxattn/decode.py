@@ -1,0 +1,200 @@
+"""Generation-phase attention: `paged_decode` over a `PagedKVCache`.
+
+Also: `contiguous_kv_cache` (TensorRT-LLM's non-paged cache as a one-page-per-sequence
+view, so the same kernel serves it) and `validate_page_table`, the opt-in check of the
+data-dependent invariants that shapes cannot show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxattn import reference, validation
+from jaxattn.attention import resolve_implementations
+from jaxattn.cache import PagedKVCache
+from pallas_kernels.common import use_interpret
+from pallas_kernels.paged_decode import DecodeParams, PagedDecodeConfig
+from pallas_kernels.paged_decode import paged_decode as _paged_decode_kernel
+
+__all__ = ["contiguous_kv_cache", "paged_decode", "validate_page_table"]
+
+
+def _check(
+    q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale
+):
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache: expected a jaxattn.PagedKVCache, got {type(cache)}")
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={q.shape}: expected rank 3 [B, Hq, D]")
+    batch, num_q_heads, head_dim = q.shape
+    if head_dim != cache.head_dim:
+        raise ValueError(f"{q.shape=} and {cache.k_pages.shape=}: head_dim differs")
+    if num_q_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"{q.shape=} and {cache.k_pages.shape=}: num_q_heads must be a multiple of num_kv_heads"
+        )
+    if q.dtype != cache.dtype:
+        raise ValueError(f"{q.dtype=} and {cache.dtype=}: q and the cache must share a dtype")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"{block_tables.shape=}: expected [B={batch}, max_pages_per_seq]")
+    if not np.issubdtype(block_tables.dtype, np.integer):
+        raise ValueError(f"{block_tables.dtype=}: expected an integer dtype")
+    validation.check_int_vector("context_lens", context_lens, batch)
+    validation.check_options(
+        num_q_heads=num_q_heads,
+        window=window,
+        sink_tokens=sink_tokens,
+        alibi_slopes=alibi_slopes,
+        relative_bias=None,
+        soft_cap=soft_cap,
+        scale=scale,
+    )
+
+
+def paged_decode(
+    q: Float[Array, "B Hq D"],
+    cache: PagedKVCache,
+    block_tables: Int[Array, "B max_pages"],
+    context_lens: Int[Array, " B"],
+    *,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_slopes: Float[Array, " Hq"] | None = None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: PagedDecodeConfig | None = None,
+):
+    """One new query token per sequence attends to its cached history.
+
+    Args:
+      q: `[B, Hq, D]`, the query of each sequence's newest token, cache dtype.
+      cache: the `PagedKVCache` holding every sequence's K/V (the new token's included:
+        write it with `write_kv` first).
+      block_tables: int32 `[B, max_pages]`: page `block_tables[b, i]` holds positions
+        `i*P .. i*P + P-1` of sequence b. Entries past a sequence's pages are never read.
+      context_lens: int32 `[B]`, tokens sequence b holds; the query sits at position
+        `context_lens[b] - 1`. 0 means an idle slot: its output is zeros.
+      window, sink_tokens, alibi_slopes, soft_cap, scale: as `jaxattn.attention`.
+      return_lse: also return the natural log-sum-exp, float32 `[B, Hq]`.
+      implementation: "pallas", "xla", a list tried in order, or None (pallas on GPU).
+      config: a `PagedDecodeConfig` (block size, split-K count); None: the heuristic,
+        which splits the context when `B * Hkv` programs cannot fill the GPU.
+
+    Returns:
+      out `[B, Hq, D]` (and lse with `return_lse`). Page ids and lengths are trusted:
+      check them with `validate_page_table` while debugging.
+    """
+    _check(q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    errors = []
+    for impl in resolve_implementations(implementation):
+        try:
+            if impl == "xla":
+                out, lse = reference.paged_decode_reference(
+                    q,
+                    cache,
+                    block_tables,
+                    context_lens,
+                    window=window,
+                    sink_tokens=sink_tokens,
+                    alibi_slopes=alibi_slopes,
+                    soft_cap=soft_cap,
+                    scale=scale,
+                    return_lse=True,
+                )
+            else:
+                out, lse = _pallas(
+                    q,
+                    cache,
+                    block_tables,
+                    context_lens,
+                    alibi_slopes,
+                    window,
+                    sink_tokens,
+                    soft_cap,
+                    scale,
+                    config,
+                )
+        except NotImplementedError as e:
+            errors.append(f"{impl}: {e}")
+            continue
+        return (out, lse) if return_lse else out
+    raise NotImplementedError("no implementation could run this call: " + "; ".join(errors))
+
+
+def _pallas(
+    q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale, config
+):
+    if config is None:
+        config = PagedDecodeConfig.heuristic(
+            q.shape[0],
+            cache.num_kv_heads,
+            block_tables.shape[1] * cache.page_size,
+            cache.page_size,
+        )
+    params = DecodeParams(
+        window=None if window is None else int(window),
+        sink_tokens=int(sink_tokens),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        scale=scale,
+    )
+    return _paged_decode_kernel(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        block_tables,
+        context_lens,
+        alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+        params=params,
+        config=config,
+        interpret=use_interpret(),
+    )
+
+
+def contiguous_kv_cache(
+    k: Float[Array, "B Hkv S D"], v: Float[Array, "B Hkv S D"]
+) -> tuple[PagedKVCache, Int[Array, "B 1"]]:
+    """TensorRT-LLM's contiguous cache (`[max_batch, 2, Hkv, max_seq, D]`, K and V split)
+    as a paged cache of one `max_seq`-token page per sequence, plus its block tables.
+
+    A free reshape: the page layout `[N, Hkv, P, D]` is exactly `[B, Hkv, S, D]`. Slot of
+    position t of sequence b (for `write_kv`): `b * S + t`.
+    """
+    if k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"{k.shape=} and {v.shape=}: expected equal shapes [B, Hkv, S, D]")
+    tables = jnp.arange(k.shape[0], dtype=jnp.int32)[:, None]
+    return PagedKVCache(k, v), tables
+
+
+def validate_page_table(
+    cache: PagedKVCache, block_tables: Int[Array, "B max_pages"], context_lens: Int[Array, " B"]
+) -> dict[str, jax.Array]:
+    """Data-dependent checks (jittable), each a bool per sequence `[B]` (True = fine).
+
+    - `length_in_capacity`: `0 <= context_lens[b] <= max_pages * page_size`.
+    - `pages_in_range`: every page the sequence uses (`ceil(len / P)` entries) is in
+      `[0, num_pages)`.
+    - `pages_exclusive`: none of its pages is used by another sequence (beams sharing a
+      prefix legitimately fail this one).
+    Use `{k: bool(v.all()) for k, v in report.items()}` on the host to see what is wrong.
+    """
+    page_size, num_pages = cache.page_size, cache.num_pages
+    max_pages = block_tables.shape[1]
+    lens = context_lens.astype(jnp.int32)
+    capacity_ok = (lens >= 0) & (lens <= max_pages * page_size)
+    used = (
+        jnp.arange(max_pages)[None, :] < (jnp.clip(lens, 0) + page_size - 1)[:, None] // page_size
+    )
+    in_range = (block_tables >= 0) & (block_tables < num_pages)
+    pages_ok = jnp.all(in_range | ~used, axis=1)
+    ids = jnp.where(used & in_range, block_tables, num_pages)  # unused -> a sentinel bin
+    counts = jnp.zeros(num_pages + 1, jnp.int32).at[ids.reshape(-1)].add(1)
+    exclusive = jnp.all((counts[ids] <= 1) | ~(used & in_range), axis=1)
+    return dict(length_in_capacity=capacity_ok, pages_in_range=pages_ok, pages_exclusive=exclusive)

@@ -1,0 +1,214 @@
+"""`jaxattn.paged_decode` against the float64 numpy oracle, for every implementation.
+
+Each sequence's K/V history is drawn in numpy, then scattered by hand (not by `write_kv`)
+into pages placed at random in the pool; every page no sequence owns is filled with NaN,
+so a read outside a sequence's pages shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import util
+from oracle import attention_oracle
+
+import jaxattn
+
+impls = pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    lengths: tuple[int, ...]  # context lengths (query included); 0 = idle slot
+    num_kv_heads: int = 2
+    page_size: int = 8
+    max_pages: int = 6
+    window: int | None = None
+    sink_tokens: int = 0
+    alibi: bool = False
+    soft_cap: float | None = None
+    scale: float | None = None
+
+    def __str__(self):
+        return self.name
+
+
+NUM_Q_HEADS = 8
+CASES = [
+    Case("gqa4", lengths=(1, 8, 9, 48)),  # 1 token, a page boundary, one past, full
+    Case("mha", lengths=(5, 17, 40), num_kv_heads=8),
+    Case("mqa", lengths=(3, 33), num_kv_heads=1),
+    Case("idle_slot", lengths=(0, 13, 0)),
+    Case("page16", lengths=(16, 31, 64), page_size=16, max_pages=4),
+    Case("window", lengths=(30, 48, 4), window=9),
+    Case("window_sinks", lengths=(30, 48, 4, 2), window=9, sink_tokens=3),
+    Case("alibi_softcap_scale", lengths=(21, 44), alibi=True, soft_cap=3.0, scale=0.3),
+    Case("everything", lengths=(47, 12, 1), num_kv_heads=1, window=16, sink_tokens=4,
+         alibi=True, soft_cap=20.0),
+]  # fmt: skip
+
+
+def _head_dim():
+    return util.DEFAULT_HEAD_DIM
+
+
+def _build(case: Case, dtype: str, seed):
+    """q [B, Hq, D]; a poisoned cache; block tables; lengths; and the dense K/V history."""
+    rng = util.rng_for("decode", seed, case.name, dtype)
+    batch, head_dim, page = len(case.lengths), _head_dim(), case.page_size
+    num_pages = batch * case.max_pages + 5
+    k_hist = rng.standard_normal((batch, case.max_pages * page, case.num_kv_heads, head_dim))
+    v_hist = rng.standard_normal(k_hist.shape)
+    pools = [np.full((num_pages, case.num_kv_heads, page, head_dim), np.nan) for _ in range(2)]
+    tables = rng.permutation(num_pages)[: batch * case.max_pages].reshape(batch, -1)
+    for b, length in enumerate(case.lengths):
+        for t in range(length):
+            for pool, hist in zip(pools, (k_hist, v_hist), strict=True):
+                pool[tables[b, t // page], :, t % page] = hist[b, t]
+    q = rng.standard_normal((batch, NUM_Q_HEADS, head_dim))
+    cache = jaxattn.PagedKVCache(*(jnp.asarray(p, dtype) for p in pools))
+    # Round the history like the cache so the oracle sees the same values.
+    k_hist, v_hist = (util.f64(jnp.asarray(h, dtype)) for h in (k_hist, v_hist))
+    return (jnp.asarray(q, dtype), cache, jnp.asarray(tables, jnp.int32),
+            jnp.asarray(case.lengths, jnp.int32), k_hist, v_hist)  # fmt: skip
+
+
+def _options(case: Case):
+    return dict(
+        window=case.window,
+        sink_tokens=case.sink_tokens,
+        alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS) if case.alibi else None,
+        soft_cap=case.soft_cap,
+        scale=case.scale,
+    )
+
+
+def _oracle(case, q, k_hist, v_hist):
+    opts = _options(case)
+    out, lse = attention_oracle(
+        util.f64(q)[:, None], k_hist, v_hist, causal=True,
+        q_lengths=np.ones(len(case.lengths), int), kv_lengths=np.asarray(case.lengths),
+        **{**opts, "alibi_slopes": None if opts["alibi_slopes"] is None else
+           np.asarray(opts["alibi_slopes"], np.float64)},
+    )  # fmt: skip
+    return out[:, 0], lse[:, :, 0]
+
+
+def _dtypes():
+    return ("bfloat16", "float32") if util.ON_GPU else ("float32",)
+
+
+@impls
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_decode_vs_oracle(case, dtype, impl):
+    q, cache, tables, lengths, k_hist, v_hist = _build(case, dtype, 0)
+    want, want_lse = _oracle(case, q, k_hist, v_hist)
+    configs = [None]
+    if impl == "pallas":  # split-K off and on: the same function
+        configs = [jaxattn.PagedDecodeConfig(16, 1), jaxattn.PagedDecodeConfig(16, 3)]
+    for config in configs:
+        out, lse = jax.jit(
+            lambda q, cache, tables, lengths, config=config: jaxattn.paged_decode(
+                q, cache, tables, lengths, return_lse=True, implementation=impl,
+                config=config, **_options(case),
+            )
+        )(q, cache, tables, lengths)  # fmt: skip
+        if dtype == "float32":
+            util.assert_out_close(out, want, dtype, what=f"out ({config})")
+        else:  # bf16: the plain bf16 oracle sets the bound (FlashAttention's rule)
+            lowp, _ = attention_oracle(
+                util.f64(q)[:, None], k_hist, v_hist, causal=True,
+                q_lengths=np.ones(len(case.lengths), int),
+                kv_lengths=np.asarray(case.lengths), lowp=jnp.bfloat16, **{
+                    **_options(case), "alibi_slopes": None if not case.alibi else
+                    np.asarray(jaxattn.alibi_slopes(NUM_Q_HEADS), np.float64)},
+            )  # fmt: skip
+            util.assert_out_close(out, want, dtype, lowp_ref=lowp[:, 0], what=f"out {config}")
+        util.assert_lse_close(lse, want_lse, dtype)
+        idle = np.asarray(case.lengths) == 0
+        util.assert_zero_rows(out, idle[:, None, None], "idle slots")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_split_k_matches_single_pass(splits):
+    case = Case("split", lengths=(48, 7, 33, 1), window=20, sink_tokens=2, alibi=True)
+    q, cache, tables, lengths, *_ = _build(case, "float32", 1)
+    run = lambda n: jaxattn.paged_decode(  # noqa: E731
+        q, cache, tables, lengths, implementation="pallas", return_lse=True,
+        config=jaxattn.PagedDecodeConfig(16, n), **_options(case),
+    )  # fmt: skip
+    (out1, lse1), (out, lse) = run(1), run(splits)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_after_write_kv_matches_gather_reference():
+    """The serving path: tokens written with write_kv, decode equals the reference on
+    gather_kv of the same cache."""
+    rng = util.rng_for("write_then_decode")
+    page, max_pages, hkv, d = 8, 4, 2, _head_dim()
+    lengths = np.array([3, 32, 17])
+    tables = rng.permutation(20)[: 3 * max_pages].reshape(3, max_pages)
+    slots = np.concatenate([tables[b, np.arange(n) // page] * page + np.arange(n) % page
+                            for b, n in enumerate(lengths)])  # fmt: skip
+    cache = jaxattn.PagedKVCache.create(20, page, hkv, d, dtype=jnp.float32)
+    k = util.randn(rng, (len(slots), hkv, d))
+    v = util.randn(rng, (len(slots), hkv, d))
+    cache = jaxattn.write_kv(cache, k, v, jnp.asarray(slots, jnp.int32))
+    q = util.randn(rng, (3, NUM_Q_HEADS, d))
+    tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    ref = jaxattn.paged_decode_reference(q, cache, tables, lengths)
+    out = jaxattn.paged_decode(q, cache, tables, lengths, implementation="pallas")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_contiguous_cache_is_the_same_kernel():
+    rng = util.rng_for("contiguous")
+    b, hkv, s, d = 2, 2, 40, _head_dim()
+    k, v = util.randn(rng, (b, hkv, s, d)), util.randn(rng, (b, hkv, s, d))
+    cache, tables = jaxattn.contiguous_kv_cache(k, v)
+    q = util.randn(rng, (b, NUM_Q_HEADS, d))
+    lengths = jnp.array([40, 11], jnp.int32)
+    out = jaxattn.paged_decode(q, cache, tables, lengths, implementation="pallas")
+    k_dense, v_dense = (jnp.swapaxes(x, 1, 2) for x in (k, v))  # [B, S, Hkv, D]
+    want, _ = attention_oracle(
+        util.f64(q)[:, None], util.f64(k_dense), util.f64(v_dense), causal=True,
+        q_lengths=np.ones(b, int), kv_lengths=np.asarray(lengths),
+    )  # fmt: skip
+    util.assert_out_close(out, want[:, 0], "float32")
+
+
+def test_validate_page_table_reports_each_problem():
+    cache = jaxattn.PagedKVCache.create(10, 4, 1, 8, dtype=jnp.float32)
+    tables = jnp.array([[0, 1, 2], [3, 4, 11], [5, 5, 6]], jnp.int32)
+    report = jaxattn.validate_page_table(cache, tables, jnp.array([13, 9, 6], jnp.int32))
+    assert report["length_in_capacity"].tolist() == [False, True, True]
+    assert report["pages_in_range"].tolist() == [True, False, True]
+    assert report["pages_exclusive"].tolist() == [True, True, False]
+    fine = jaxattn.validate_page_table(cache, tables, jnp.array([12, 8, 4], jnp.int32))
+    assert all(bool(v.all()) for v in fine.values())
+
+
+BAD = {
+    "rank": (lambda q, c, t, n: (q[0], c, t, n), r"q\.shape"),
+    "head_dim": (lambda q, c, t, n: (q[..., :4], c, t, n), r"head_dim"),
+    "heads": (lambda q, c, t, n: (q[:, :3], c, t, n), r"multiple of num_kv_heads"),
+    "dtype": (lambda q, c, t, n: (q.astype(jnp.bfloat16), c, t, n), r"dtype"),
+    "tables": (lambda q, c, t, n: (q, c, t[:1], n), r"block_tables\.shape"),
+    "lengths": (lambda q, c, t, n: (q, c, t, n[:1]), r"context_lens\.shape"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_raises_at_trace_time(name):
+    case = Case("bad", lengths=(3, 9))
+    q, cache, tables, lengths, *_ = _build(case, "float32", 2)
+    make, match = BAD[name]
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda *a: jaxattn.paged_decode(*make(*a)), q, cache, tables, lengths)
