@@ -9,6 +9,7 @@ Every op takes `implementation="pallas"` (the kernels; Pallas interpret mode off
 from jaxattn.attention import attention, ragged_attention
 from jaxattn.cache import PagedKVCache, gather_kv, write_kv
 from jaxattn.decode import contiguous_kv_cache, paged_decode, validate_page_table
+from jaxattn.manager import KVCacheManager, pad_ids, reserve_from_lists
 from jaxattn.positional import RelativeBias, alibi_slopes, relative_position_bucket
 from jaxattn.reference import (
     attention_reference,
@@ -20,6 +21,7 @@ from pallas_kernels.paged_decode import PagedDecodeConfig
 
 __all__ = [
     "FlashPrefillConfig",
+    "KVCacheManager",
     "PagedDecodeConfig",
     "PagedKVCache",
     "RelativeBias",
@@ -28,11 +30,13 @@ __all__ = [
     "attention_reference",
     "contiguous_kv_cache",
     "gather_kv",
+    "pad_ids",
     "paged_decode",
     "paged_decode_reference",
     "ragged_attention",
     "ragged_attention_reference",
     "relative_position_bucket",
+    "reserve_from_lists",
     "validate_page_table",
     "write_kv",
 ]

@@ -96,13 +96,17 @@ def write_kv(
     """
     if k.shape != v.shape or k.ndim != 3:
         raise ValueError(f"{k.shape=} and {v.shape=}: expected equal shapes [T, Hkv, D]")
+    if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
+        raise ValueError(f"{k.dtype=} and {v.dtype=}: expected one float dtype")
     if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
         raise ValueError(
             f"{k.shape=}: expected [T, num_kv_heads={cache.num_kv_heads}, "
             f"head_dim={cache.head_dim}] for a cache of {cache.k_pages.shape=}"
         )
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"{slot_mapping.shape=}: expected [T={k.shape[0]}]")
+    if slot_mapping.shape != (k.shape[0],) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(
+            f"{slot_mapping.shape=}, {slot_mapping.dtype=}: expected int [T={k.shape[0]}]"
+        )
     page_size = cache.page_size
     slots = slot_mapping.astype(jnp.int32)
     # Skipped tokens (and slots past the pool) point past the last page and are dropped.
@@ -123,14 +127,22 @@ def gather_kv(
 ) -> tuple[Float[Array, "B max_len Hkv D"], Float[Array, "B max_len Hkv D"]]:
     """Contiguous K and V `[B, max_len, Hkv, D]` of each sequence (for tests, debugging).
 
-    Positions at or past `lengths[b]` are zeros. Block-table entries past a sequence's
-    pages are never read.
+    Positions at or past `lengths[b]` (or past the table's capacity) are zeros. Block-table
+    entries past a sequence's pages are never read. Page ids are clamped into the pool, as
+    the decode kernel does, so a corrupt table never reads outside the cache (and reads
+    what the kernel reads): `validate_page_table` reports such tables.
     """
+    if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"{block_tables.shape=}, {block_tables.dtype=}: expected int [B, P]")
+    if lengths.shape != block_tables.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"{lengths.shape=}, {lengths.dtype=}: expected int [B={block_tables.shape[0]}]"
+        )
     page_size = cache.page_size
     pos = jnp.arange(max_len, dtype=jnp.int32)
     table_col = jnp.minimum(pos // page_size, block_tables.shape[1] - 1)
-    pages = block_tables[:, table_col]  # [B, max_len]
-    valid = pos[None, :] < lengths[:, None]
+    pages = jnp.clip(block_tables[:, table_col], 0, cache.num_pages - 1)  # [B, max_len]
+    valid = (pos[None, :] < lengths[:, None]) & (pos < block_tables.shape[1] * page_size)
     pages = jnp.where(valid, pages, 0)
     offsets = jnp.broadcast_to(pos % page_size, pages.shape)
 

@@ -59,7 +59,7 @@ def _paged_decode_kernel(
     o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, max_pages = k_ref.shape[2], table_ref.shape[1]
+    num_pages, page_size, max_pages = k_ref.shape[0], k_ref.shape[2], table_ref.shape[1]
     padded_dim = next_power_of_2(head_dim)
     dims = jnp.arange(padded_dim)
     dim_ok = dims[None, :] < head_dim  # [1, Dp]
@@ -86,6 +86,7 @@ def _paged_decode_kernel(
         t_ok = (t >= 0) & (t < ctx)
         col = t // page_size
         pages = plgpu.load(table_ref.at[b, col], mask=t_ok & (col < max_pages), other=0)
+        pages = jnp.clip(pages, 0, num_pages - 1)  # a corrupt table never reads off the pool
         at = (pages[:, None], kvh, (t % page_size)[:, None], dims[None, :])
         kv_ok = t_ok[:, None] & dim_ok
         k = plgpu.load(k_ref.at[at], mask=kv_ok, other=0.0).astype(q.dtype)  # [block_kv, Dp]

@@ -1,0 +1,323 @@
+"""`KVCacheManager`: a pure, jittable page allocator for the paged KV cache (a pytree).
+
+TensorRT-LLM's KVCacheManager, on the device: a pool of `num_pages` pages of `page_size`
+tokens, a block table and a length per sequence. Every method is pure jnp with static
+shapes (works under `jax.jit`, returns a new manager), so the scheduler step that grows
+sequences, maps new tokens to cache slots and writes them is one compiled program.
+
+State (arrays are pytree leaves; `page_size` is static):
+  block_tables  int32 `[max_seqs, max_pages_per_seq]`: row s lists the pages of sequence s,
+                held pages first, then -1.
+  lengths       int32 `[max_seqs]`: tokens sequence s holds; it holds ceil(length / P) pages.
+  refcounts     int32 `[N]`: how many block-table entries point at each page; a page is
+                free iff its count is 0. Counts (not an owner id) so that beams can later
+                share pages (fork, copy-on-write) without changing the representation.
+
+Allocation is deterministic: the pages a `reserve` needs are the lowest free page ids, handed
+to the sequences in increasing seq id order, each sequence's new pages in table order.
+
+Worked example (FlashInfer-style), P = 4, 8 pages, 3 sequence rows:
+
+    >>> mgr = KVCacheManager.create(num_pages=8, page_size=4, max_seqs=3, max_pages_per_seq=3)
+    >>> mgr, ok = mgr.reserve(jnp.array([0, 2]), jnp.array([6, 3]))  # seq 0: 6 tokens, 2: 3
+    >>> bool(ok), mgr.block_tables.tolist(), mgr.lengths.tolist(), int(mgr.num_free_pages)
+    (True, [[0, 1, -1], [-1, -1, -1], [2, -1, -1]], [6, 0, 3], 5)
+
+    Sequence 0 holds tokens 0..3 in page 0 and tokens 4, 5 in page 1 (offsets 0, 1); its
+    token 5 lives in slot `block_tables[0, 5 // 4] * 4 + 5 % 4 = 1 * 4 + 1 = 5`. Position 6
+    is past its length and padding ids (-1) map nowhere: slot -1 (`write_kv` skips it).
+
+    >>> mgr.slot_mapping(jnp.array([0, 0, 2, -1]), jnp.array([5, 6, 0, 0])).tolist()
+    [5, -1, 8, -1]
+
+    Releasing sequence 0 frees pages 0 and 1; growing sequence 1 to 9 tokens (3 pages) then
+    takes the lowest free pages 0, 1, 3 (page 2 is sequence 2's), so its pages are scattered:
+
+    >>> mgr = mgr.release(jnp.array([0]))
+    >>> mgr, ok = mgr.reserve(jnp.array([1]), jnp.array([9]))
+    >>> mgr.block_tables.tolist(), mgr.lengths.tolist(), int(mgr.num_free_pages)
+    ([[-1, -1, -1], [0, 1, 3], [2, -1, -1]], [0, 9, 3], 4)
+    >>> mgr.slot_mapping(jnp.array([1, 1, 1]), jnp.array([3, 4, 8])).tolist()
+    [3, 4, 12]
+
+    A request the pool cannot meet changes nothing (all or nothing):
+
+    >>> mgr2, ok = mgr.reserve(jnp.array([0, 2]), jnp.array([12, 12]))  # needs 3 + 2 > 4
+    >>> bool(ok), mgr2.block_tables.tolist() == mgr.block_tables.tolist()
+    (False, True)
+
+In a serving loop (plan once per step, reuse in every layer):
+
+    mgr, ok = step_reserve(mgr, seq_ids, new_lengths)            # jitted; preempt if not ok
+    slots = mgr.slot_mapping(token_seq_ids, token_positions)      # once per step
+    cache = write_kv(cache, k, v, slots)                          # every layer
+    out = paged_decode(q, cache, mgr.block_tables[batch_rows], mgr.lengths[batch_rows])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+__all__ = ["KVCacheManager", "pad_ids", "reserve_from_lists"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _int_vector(method: str, name: str, x, length: int | None = None) -> jax.Array:
+    """`x` as an int32 `[length]` array; a ValueError naming `name` if it is not one."""
+    x = jnp.asarray(x)
+    if x.ndim != 1 or (length is not None and x.shape[0] != length):
+        want = "[T]" if length is None else f"[{length}]"
+        raise ValueError(f"{method}: {name}.shape={x.shape}: expected a vector {want}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{method}: {name}.dtype={x.dtype}: expected an integer dtype")
+    return x.astype(jnp.int32)
+
+
+def _num_pages_for(lengths: jax.Array, page_size: int) -> jax.Array:
+    """ceil(lengths / page_size) for lengths >= 0, without the int32 overflow of L + P - 1."""
+    lengths = jnp.maximum(lengths, 0)
+    return lengths // page_size + (lengths % page_size > 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCacheManager:
+    """Free-page pool, block tables and lengths of up to `max_seqs` sequences.
+
+    Sizes come from the array shapes (as in `PagedKVCache`), so they cannot disagree with
+    them; `page_size` is static. Build one with `create`; every method returns a new manager.
+    Seq ids index rows `0..max_seqs-1`; an id < 0 is padding and ignored everywhere.
+
+    Attributes:
+      block_tables: int32 `[max_seqs, max_pages_per_seq]`; row s holds sequence s's page
+        ids in token order, -1 past its pages.
+      lengths: int32 `[max_seqs]`; tokens each sequence holds (reserved, not necessarily
+        written yet).
+      refcounts: int32 `[N]`; block-table entries pointing at each page; 0 = free.
+      page_size: P, tokens per page (static).
+    """
+
+    block_tables: Int[Array, "max_seqs max_pages_per_seq"]
+    lengths: Int[Array, " max_seqs"]
+    refcounts: Int[Array, " N"]
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def create(
+        cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int
+    ) -> KVCacheManager:
+        """An empty manager: every page free, every sequence of length 0."""
+        sizes = dict(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq,
+        )
+        for name, value in sizes.items():
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"KVCacheManager.create: {name}={value} must be a positive int")
+        # Slots (page * P + offset) and positions are int32.
+        if num_pages * page_size > _INT32_MAX or max_pages_per_seq * page_size > _INT32_MAX:
+            raise ValueError(
+                f"KVCacheManager.create: {num_pages=}, {max_pages_per_seq=}, {page_size=}: "
+                "slots and positions must fit in int32"
+            )
+        return cls(
+            block_tables=jnp.full((max_seqs, max_pages_per_seq), -1, jnp.int32),
+            lengths=jnp.zeros((max_seqs,), jnp.int32),
+            refcounts=jnp.zeros((num_pages,), jnp.int32),
+            page_size=int(page_size),
+        )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_pages(self) -> int:
+        return self.refcounts.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def num_free_pages(self) -> Int[Array, ""]:
+        """int32 scalar: pages with no reference."""
+        return jnp.sum(self.refcounts == 0, dtype=jnp.int32)
+
+    @property
+    def pages_held(self) -> Int[Array, " max_seqs"]:
+        """int32 `[max_seqs]`: pages in each sequence's block table."""
+        return jnp.sum(self.block_tables >= 0, axis=1, dtype=jnp.int32)
+
+    # ------------------------------------------------------------------ ops
+    def reserve(
+        self, seq_ids: Int[Array, " B"], lengths: Int[Array, " B"]
+    ) -> tuple[KVCacheManager, Bool[Array, ""]]:
+        """Grows sequence `seq_ids[b]` to hold `lengths[b]` tokens; all or nothing.
+
+        Args:
+          seq_ids: int `[B]`; rows to grow, < 0 = padding (ignored).
+          lengths: int `[B]`; the length each sequence must reach. A length at or below the
+            current one leaves that sequence unchanged (reserve never shrinks). A seq id
+            given several times grows to the largest of its lengths.
+
+        Returns:
+          `(manager, ok)`, ok a bool scalar. When the pool has too few free pages, a
+          sequence would need more than `max_pages_per_seq` pages, or an id is
+          >= `max_seqs`, ok is False and the manager is returned unchanged (every array
+          bit-identical). New pages are the lowest free page ids, given out in seq id order.
+        """
+        seq_ids = _int_vector("reserve", "seq_ids", seq_ids)
+        lengths = _int_vector("reserve", "lengths", lengths, seq_ids.shape[0])
+        P, S, M = self.page_size, self.max_seqs, self.max_pages_per_seq
+
+        live = seq_ids >= 0
+        ids_ok = jnp.all(seq_ids < S)
+        # Duplicates: scatter-max keeps the largest requested length per row.
+        rows = jnp.where(live, seq_ids, S)  # padding rows land out of bounds: dropped
+        target = self.lengths.at[rows].max(lengths, mode="drop")
+        want_pages = _num_pages_for(target, P)  # [S]
+        held = self.pages_held  # [S]
+        fits = jnp.all(want_pages <= M)
+        need = jnp.clip(want_pages - held, 0, M)  # [S]; clipped so the sum cannot overflow
+        total = jnp.sum(need)
+        free = self.refcounts == 0  # [N]
+        ok = ids_ok & fits & (total <= jnp.sum(free))
+
+        # Free pages in id order: free_list[k] is the k-th lowest free page id (-1 past them).
+        free_rank = jnp.cumsum(free, dtype=jnp.int32) - 1  # [N]
+        page_ids = jnp.arange(self.num_pages, dtype=jnp.int32)
+        free_list = jnp.full((self.num_pages,), -1, jnp.int32)
+        free_list = free_list.at[jnp.where(free, free_rank, self.num_pages)].set(
+            page_ids, mode="drop"
+        )
+        # Table entry (s, j) takes free page number first[s] + (j - held[s]) when it is one
+        # of row s's new entries: held pages are a prefix of each row.
+        first = jnp.cumsum(need) - need  # [S], exclusive prefix sum
+        col = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M]
+        new_entry = (col >= held[:, None]) & (col < held[:, None] + need[:, None])  # [S, M]
+        k = jnp.where(new_entry, first[:, None] + col - held[:, None], 0)
+        tables = jnp.where(
+            new_entry, free_list[jnp.minimum(k, self.num_pages - 1)], self.block_tables
+        )
+        refcounts = jnp.where(free & (free_rank < total), 1, self.refcounts)
+
+        def pick(new, old):
+            return jnp.where(ok, new, old)
+
+        grown = KVCacheManager(
+            block_tables=pick(tables, self.block_tables),
+            lengths=pick(target, self.lengths),
+            refcounts=pick(refcounts, self.refcounts),
+            page_size=P,
+        )
+        return grown, ok
+
+    def release(self, seq_ids: Int[Array, " B"]) -> KVCacheManager:
+        """Frees sequences `seq_ids` (int `[B]`): their pages' counts drop by one (a page
+        is free at 0), their table rows become -1, their lengths 0. Ids < 0 (padding) and
+        >= `max_seqs` are ignored; an id given twice is released once."""
+        seq_ids = _int_vector("release", "seq_ids", seq_ids)
+        S, N = self.max_seqs, self.num_pages
+        rows = jnp.where(seq_ids >= 0, seq_ids, S)
+        gone = jnp.zeros((S,), bool).at[rows].set(True, mode="drop")  # [S]
+        refs = jnp.where(gone[:, None] & (self.block_tables >= 0), self.block_tables, N)
+        drops = jnp.zeros((N,), jnp.int32).at[refs.ravel()].add(1, mode="drop")
+        return KVCacheManager(
+            block_tables=jnp.where(gone[:, None], -1, self.block_tables),
+            lengths=jnp.where(gone, 0, self.lengths),
+            refcounts=self.refcounts - drops,
+            page_size=self.page_size,
+        )
+
+    def slot_mapping(
+        self, seq_ids: Int[Array, " T"], positions: Int[Array, " T"]
+    ) -> Int[Array, " T"]:
+        """Cache slot of token (seq_ids[t], positions[t]), both int `[T]`.
+
+        Returns int32 `[T]`: `block_tables[s, pos // P] * P + pos % P`, or -1 where the id
+        is padding (< 0) or >= `max_seqs`, the position is < 0 or >= `lengths[s]`, or the
+        sequence has no page there: never a slot of a page the sequence does not hold.
+        Reserve first, then map the new tokens' positions.
+        """
+        seq_ids = _int_vector("slot_mapping", "seq_ids", seq_ids)
+        positions = _int_vector("slot_mapping", "positions", positions, seq_ids.shape[0])
+        P, S, M = self.page_size, self.max_seqs, self.max_pages_per_seq
+        row = jnp.clip(seq_ids, 0, S - 1)
+        col = positions // P
+        page = self.block_tables[row, jnp.clip(col, 0, M - 1)]
+        valid = (
+            (seq_ids >= 0)
+            & (seq_ids < S)
+            & (positions >= 0)
+            & (positions < self.lengths[row])
+            & (col < M)
+            & (page >= 0)
+        )
+        return jnp.where(valid, page * P + positions % P, -1).astype(jnp.int32)
+
+    # ------------------------------------------------------------------ debugging
+    def check(self) -> dict[str, Bool[Array, ""]]:
+        """Data-dependent invariants (opt-in, jittable): bool scalars by name, and "ok".
+
+        ids_in_range: table entries are -1 or page ids in [0, N).
+        lengths_in_range: 0 <= lengths <= max_pages_per_seq * P.
+        held_prefix: each row's pages come first, then only -1.
+        held_matches_lengths: a sequence holds ceil(length / P) pages.
+        distinct_in_row: no page appears twice in one sequence.
+        refcounts_match_tables: each page's count equals the table entries pointing at it
+          (so free + used = total and no free page is in a table).
+        exclusive: no page is shared (count <= 1); true until sequences fork.
+        """
+        P, N, M = self.page_size, self.num_pages, self.max_pages_per_seq
+        t = self.block_tables
+        held = self.pages_held
+        col = jnp.arange(M)[None, :]
+        refs = jnp.zeros((N,), jnp.int32).at[jnp.where(t >= 0, t, N).ravel()].add(1, mode="drop")
+        same = (t[:, :, None] == t[:, None, :]) & (t[:, :, None] >= 0)  # [S, M, M]
+        checks = dict(
+            ids_in_range=jnp.all((t >= -1) & (t < N)),
+            lengths_in_range=jnp.all((self.lengths >= 0) & (self.lengths <= M * P)),
+            held_prefix=jnp.all((t >= 0) == (col < held[:, None])),
+            held_matches_lengths=jnp.all(held == _num_pages_for(self.lengths, P)),
+            distinct_in_row=jnp.sum(same) == jnp.sum(t >= 0),
+            refcounts_match_tables=jnp.all(refs == self.refcounts),
+            exclusive=jnp.all(self.refcounts <= 1),
+        )
+        checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
+        return checks
+
+
+# ---------------------------------------------------------------------- host side
+def pad_ids(ids: Sequence[int], size: int, fill: int = -1) -> Int[Array, " size"]:
+    """int32 `[size]`: `ids` followed by `fill` (-1: padding). For batching into buckets
+    (a few fixed sizes, so jitted steps compile once per bucket)."""
+    if int(size) != size or size < 0:
+        raise ValueError(f"pad_ids: {size=} must be a non-negative int")
+    if len(ids) > size:
+        raise ValueError(f"pad_ids: {len(ids)} ids do not fit in a bucket of size {size}")
+    return jnp.asarray(
+        np.pad(np.asarray(ids, np.int32).reshape(-1), (0, size - len(ids)), constant_values=fill)
+    )
+
+
+_reserve = jax.jit(KVCacheManager.reserve)
+
+
+def reserve_from_lists(
+    mgr: KVCacheManager, seq_ids: Sequence[int], lengths: Sequence[int], bucket: int
+) -> tuple[KVCacheManager, Bool[Array, ""]]:
+    """`mgr.reserve` (jitted) on Python lists padded to `bucket` entries."""
+    if len(seq_ids) != len(lengths):
+        raise ValueError(f"reserve_from_lists: {len(seq_ids)} seq_ids but {len(lengths)} lengths")
+    return _reserve(mgr, pad_ids(seq_ids, bucket), pad_ids(lengths, bucket, fill=0))
