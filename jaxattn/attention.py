@@ -16,27 +16,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import reference, validation
+from jaxattn.dispatch import run_first
 from jaxattn.positional import RelativeBias
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
 
-__all__ = ["attention", "ragged_attention", "resolve_implementations"]
-
-IMPLEMENTATIONS = ("pallas", "xla")
-
-
-def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple[str, ...]:
-    """None -> pallas on a GPU, xla elsewhere; a list is tried in order (see `attention`)."""
-    if implementation is None:
-        return ("xla",) if jax.default_backend() != "gpu" else ("pallas", "xla")
-    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-    for name in names:
-        if name not in IMPLEMENTATIONS:
-            raise ValueError(f"{implementation=}: each name must be one of {IMPLEMENTATIONS}")
-    if not names:
-        raise ValueError(f"{implementation=}: empty")
-    return names
+__all__ = ["attention", "ragged_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,15 +182,12 @@ def _run(implementation, static, config, qkv, lengths, extras):
     token_axis = 0 if static.packed else 1
     if q.shape[token_axis] == 0 or k.shape[token_axis] == 0:
         return _empty(static, q, k)
-    errors = []
-    for impl in resolve_implementations(implementation):
-        try:
-            out, lse = _differentiable(impl, static, config, qkv, lengths, extras)
-        except NotImplementedError as e:  # Fall through to the next implementation.
-            errors.append(f"{impl}: {e}")
-            continue
+
+    def run(impl):
+        out, lse = _differentiable(impl, static, config, qkv, lengths, extras)
         return (out, lse) if static.return_lse else out
-    raise NotImplementedError("no implementation could run this call: " + "; ".join(errors))
+
+    return run_first(implementation, run)
 
 
 def _prepare(

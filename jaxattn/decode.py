@@ -15,8 +15,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxattn import reference, validation
-from jaxattn.attention import resolve_implementations
 from jaxattn.cache import PagedKVCache
+from jaxattn.dispatch import run_first
 from pallas_kernels.common import use_interpret
 from pallas_kernels.paged_decode import DecodeParams, PagedDecodeConfig
 from pallas_kernels.paged_decode import paged_decode as _paged_decode_kernel
@@ -93,40 +93,37 @@ def paged_decode(
     """
     _check(q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    errors = []
-    for impl in resolve_implementations(implementation):
-        try:
-            if impl == "xla":
-                out, lse = reference.paged_decode_reference(
-                    q,
-                    cache,
-                    block_tables,
-                    context_lens,
-                    window=window,
-                    sink_tokens=sink_tokens,
-                    alibi_slopes=alibi_slopes,
-                    soft_cap=soft_cap,
-                    scale=scale,
-                    return_lse=True,
-                )
-            else:
-                out, lse = _pallas(
-                    q,
-                    cache,
-                    block_tables,
-                    context_lens,
-                    alibi_slopes,
-                    window,
-                    sink_tokens,
-                    soft_cap,
-                    scale,
-                    config,
-                )
-        except NotImplementedError as e:
-            errors.append(f"{impl}: {e}")
-            continue
+
+    def run(impl):
+        if impl == "xla":
+            out, lse = reference.paged_decode_reference(
+                q,
+                cache,
+                block_tables,
+                context_lens,
+                window=window,
+                sink_tokens=sink_tokens,
+                alibi_slopes=alibi_slopes,
+                soft_cap=soft_cap,
+                scale=scale,
+                return_lse=True,
+            )
+        else:
+            out, lse = _pallas(
+                q,
+                cache,
+                block_tables,
+                context_lens,
+                alibi_slopes,
+                window,
+                sink_tokens,
+                soft_cap,
+                scale,
+                config,
+            )
         return (out, lse) if return_lse else out
-    raise NotImplementedError("no implementation could run this call: " + "; ".join(errors))
+
+    return run_first(implementation, run)
 
 
 def _pallas(

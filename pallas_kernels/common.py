@@ -59,3 +59,41 @@ def relative_position_bucket(
     ).astype(jnp.int32)
     large = jnp.minimum(large, num_buckets - 1)
     return offset + jnp.where(distance < max_exact, distance, large)
+
+
+# Online softmax in base 2 (FlashAttention-2): the running state of each query row is the
+# unnormalised output `acc [rows, Dp]`, the row maximum `m [rows]` and the sum `l [rows]`.
+
+
+def softmax_init(rows: int, padded_dim: int):
+    """(acc, m, l) before any key: m starts at MASK_VALUE, never -inf (no inf - inf)."""
+    return (
+        jnp.zeros((rows, padded_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def softmax_update(carry, s, load_v, precision=None):
+    """Folds one key block into the state. s: `[rows, block]` base-2 logits (masked keys at
+    MASK_VALUE); `load_v()` returns V `[block, Dp]`, loaded after the exponentials."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    v = load_v()
+    acc = acc * alpha[:, None] + jnp.dot(
+        p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
+    )
+    return acc, m_new, l
+
+
+def softmax_finish(carry, row_ok=True):
+    """(out [rows, Dp] float32, natural lse [rows]); rows that saw no key (or not
+    `row_ok`) give zeros and -inf."""
+    acc, m, l = carry
+    ok = row_ok & (m > 0.5 * MASK_VALUE)
+    l_safe = jnp.where(ok, l, 1.0)
+    out = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0)
+    return out, jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)

@@ -22,11 +22,13 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
 from pallas_kernels.common import (
-    LN2,
     LOG2E,
     MASK_VALUE,
     next_power_of_2,
     relative_position_bucket,
+    softmax_finish,
+    softmax_init,
+    softmax_update,
 )
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
@@ -218,7 +220,6 @@ def _flash_prefill_kernel(
         return s if visible is None else jnp.where(visible, s, MASK_VALUE)
 
     def body(masked, block, carry):
-        acc, m, l = carry
         k0 = block * block_kv
         kv_rows = pl.ds(k_start + k0, block_kv)
         if masked:  # Keys past kv_len belong to another sequence or to nothing.
@@ -230,15 +231,8 @@ def _flash_prefill_kernel(
         other = None if kv_ok is None else 0.0
         k = plgpu.load(k_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
         s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        v = plgpu.load(v_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
-        acc = acc * alpha[:, None] + jnp.dot(
-            p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
-        )
-        return acc, m_new, l
+        load_v = lambda: plgpu.load(v_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # noqa: E731
+        return softmax_update(carry, s, load_v, precision)
 
     # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
     # what every valid row sees, so blocks inside it skip the mask.
@@ -265,28 +259,20 @@ def _flash_prefill_kernel(
     if has_mask:  # Every block reads the mask anyway.
         full_hi_b = full_lo_b
 
-    carry = (
-        jnp.zeros((block_q, padded_dim), jnp.float32),
-        jnp.full((block_q,), MASK_VALUE, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
+    carry = softmax_init(block_q, padded_dim)
     if params.window is not None and params.sink_tokens:
         sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, hi), block_kv), lo_b)
         carry = jax.lax.fori_loop(0, sink_b, functools.partial(body, True), carry)
     carry = jax.lax.fori_loop(lo_b, full_lo_b, functools.partial(body, True), carry)
     carry = jax.lax.fori_loop(full_lo_b, full_hi_b, functools.partial(body, False), carry)
-    acc, m, l = jax.lax.fori_loop(full_hi_b, hi_b, functools.partial(body, True), carry)
-
-    ok = (rows < q_len) & (m > 0.5 * MASK_VALUE)  # a real row that saw at least one key
-    l_safe = jnp.where(ok, l, 1.0)
-    out = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0)
+    carry = jax.lax.fori_loop(full_hi_b, hi_b, functools.partial(body, True), carry)
+    out, lse = softmax_finish(carry, row_ok=rows < q_len)
     plgpu.store(
         o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
         out.astype(o_ref.dtype),
         mask=row_store[:, None] & dim_ok,
     )
     if has_lse:
-        lse = jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
         plgpu.store(lse_ref.at[h, pl.ds(q_start + r0, block_q)], lse, mask=row_store)
 
 

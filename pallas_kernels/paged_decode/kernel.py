@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import LN2, LOG2E, MASK_VALUE, next_power_of_2
+from pallas_kernels.common import (
+    LOG2E,
+    MASK_VALUE,
+    next_power_of_2,
+    softmax_finish,
+    softmax_init,
+    softmax_update,
+)
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
 _MIN_ROWS = 16  # Triton's dot needs M >= 16: the group's query rows are padded to this
@@ -81,7 +88,6 @@ def _paged_decode_kernel(
     qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
 
     def body(block, carry):
-        acc, m, l = carry
         t = block * block_kv + jnp.arange(block_kv)  # [block_kv] token positions
         t_ok = (t >= 0) & (t < ctx)
         col = t // page_size
@@ -105,13 +111,8 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        v = plgpu.load(v_ref.at[at], mask=kv_ok, other=0.0).astype(q.dtype)
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l
+        load_v = lambda: plgpu.load(v_ref.at[at], mask=kv_ok, other=0.0).astype(q.dtype)  # noqa: E731
+        return softmax_update(carry, s, load_v, precision)
 
     # This split's share of the blocks that can hold visible keys.
     lo = 0 if params.window is None else jnp.maximum(pos - params.window + 1, 0)
@@ -121,23 +122,14 @@ def _paged_decode_kernel(
     start = jnp.minimum(lo_b + split * per_split, hi_b)
     end = jnp.minimum(start + per_split, hi_b)
 
-    carry = (
-        jnp.zeros((rows, padded_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    carry = softmax_init(rows, padded_dim)
     if params.window is not None and params.sink_tokens:
         # Sink blocks below the window belong to split 0. (Integer arithmetic rather than
         # a select of constants: see flash_prefill on Triton's i1/i32 lowering.)
         sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, ctx), block_kv), lo_b)
         sink_b = sink_b * (1 - jnp.minimum(split, 1))
         carry = jax.lax.fori_loop(0, sink_b, body, carry)
-    acc, m, l = jax.lax.fori_loop(start, end, body, carry)
-
-    ok = m > 0.5 * MASK_VALUE  # saw at least one visible key
-    l_safe = jnp.where(ok, l, 1.0)
-    out = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0)
-    lse = jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    out, lse = softmax_finish(jax.lax.fori_loop(start, end, body, carry))
     store_ok = row_ok[:, None] & dim_ok
     if split_out:
         plgpu.store(o_ref.at[b, heads[:, None], split, dims[None, :]], out, mask=store_ok)

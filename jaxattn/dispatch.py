@@ -1,0 +1,37 @@
+"""`implementation=`: which backend runs an op (tokamax-style names with fallback)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import jax
+
+__all__ = ["IMPLEMENTATIONS", "resolve_implementations", "run_first"]
+
+IMPLEMENTATIONS = ("pallas", "xla")
+T = TypeVar("T")
+
+
+def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple[str, ...]:
+    """None -> pallas on a GPU (xla as fallback), xla elsewhere; a name or a list as given."""
+    if implementation is None:
+        return ("xla",) if jax.default_backend() != "gpu" else ("pallas", "xla")
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    for name in names:
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(f"{implementation=}: each name must be one of {IMPLEMENTATIONS}")
+    if not names:
+        raise ValueError(f"{implementation=}: empty")
+    return names
+
+
+def run_first(implementation: str | Sequence[str] | None, run: Callable[[str], T]) -> T:
+    """`run(name)` for each implementation in turn; NotImplementedError falls through."""
+    errors = []
+    for name in resolve_implementations(implementation):
+        try:
+            return run(name)
+        except NotImplementedError as e:
+            errors.append(f"{name}: {e}")
+    raise NotImplementedError("no implementation could run this call: " + "; ".join(errors))
