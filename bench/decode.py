@@ -108,20 +108,20 @@ def decode_set(settings: Settings) -> SetResult:
         ours = jax.jit(
             functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
         )
-        rows.append(measure(
+        mine = measure(
             impl="ours", fn=ours, arg_sets=[(q, cache, tables, lengths)], on_error="FAILED",
             notes=f"block_kv {config.block_kv}, splits {config.num_splits} (heuristic)",
-        ))  # fmt: skip
+        )  # fmt: skip
         cudnn = jax.jit(
             lambda q, k, v, n: jax.nn.dot_product_attention(
                 q[:, None], k, v, key_value_seq_lengths=n, implementation="cudnn"
             )[:, 0]
         )
-        rows.append(measure(impl="cudnn", fn=cudnn, arg_sets=[(q, k, v, lengths)]))
+        peers = [measure(impl="cudnn", fn=cudnn, arg_sets=[(q, k, v, lengths)])]
         gqa = jax.jit(
             lambda q, k, v, n: decode_attention.gqa(q, k, v, kv_seq_len=n, interpret=interpret)
         )
-        rows.append(measure(impl="jax gqa decode", fn=gqa, arg_sets=[(q, k, v, lengths)]))
+        peers.append(measure(impl="jax gqa decode", fn=gqa, arg_sets=[(q, k, v, lengths)]))
         # Its layout is [Hkv, N, P, D], and it takes no scale: q comes pre-scaled.
         jax_pages = [jnp.swapaxes(x, 0, 1) for x in (cache.k_pages, cache.v_pages)]
         q_scaled = (q * heads[2] ** -0.5).astype(q.dtype)
@@ -130,15 +130,14 @@ def decode_set(settings: Settings) -> SetResult:
                 q, kp, vp, t, n, interpret=interpret
             )
         )
-        peer = measure(
+        paged_peer = measure(
             impl="jax paged_attention", fn=paged, arg_sets=[(q_scaled, *jax_pages, tables, lengths)]
         )
-        rows.append(peer)
-        if rows[-4].status == peer.status == "ok":
-            ratio = rows[-4].rate / peer.rate
-            rows[-4] = dataclasses.replace(
-                rows[-4], notes=f"{rows[-4].notes}; {ratio:.2f}x jax paged"
+        if mine.status == paged_peer.status == "ok":
+            ratio = mine.rate / paged_peer.rate
+            mine = progress(
+                dataclasses.replace(mine, notes=f"{mine.notes}; {ratio:.2f}x jax paged")
             )
-            progress(rows[-4])
+        rows += [mine, *peers, paged_peer]
     label = f"bf16, Hq {heads[0]} / Hkv {heads[1]}, D {heads[2]}, page {heads[3]}, pages scattered"
     return SetResult("decode", label, rows)

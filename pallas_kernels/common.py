@@ -11,6 +11,8 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # Finite stand-in for -inf inside kernels: exp2(MASK - m) underflows to 0 for any real
 # row maximum m, and never produces inf - inf = NaN when a whole block is masked.
@@ -97,3 +99,19 @@ def softmax_finish(carry, row_ok=True):
     l_safe = jnp.where(ok, l, 1.0)
     out = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0)
     return out, jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+def whole_array_call(kernel, inputs, out_shape, *, grid, num_warps, num_stages, interpret, name):
+    """A Triton `pallas_call` whose refs are whole arrays: the kernels index them
+    themselves (data-dependent tiles, block tables), which BlockSpecs cannot express."""
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole(x) for x in inputs],
+        out_specs=[whole(s) for s in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*inputs)

@@ -29,6 +29,7 @@ from pallas_kernels.common import (
     softmax_finish,
     softmax_init,
     softmax_update,
+    whole_array_call,
 )
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
@@ -343,19 +344,16 @@ def flash_prefill(
         group=num_q_heads // num_kv_heads,
         dense_shape=dense_shape,
     )
-    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    outs = pl.pallas_call(
+    outs = whole_array_call(
         kernel,
+        inputs,
+        out_shape,
         grid=(num_q_heads, num_tiles),
-        in_specs=[whole(x) for x in inputs],
-        out_specs=[whole(s) for s in out_shape],
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         interpret=interpret,
         name="flash_prefill",
-    )(*inputs)
+    )
     out, lse = outs[0], (outs[1] if return_lse else None)
     if dense_shape is not None:
         out = out.reshape(num_seqs, q_rows, num_q_heads, head_dim)

@@ -29,6 +29,7 @@ from pallas_kernels.common import (
     softmax_finish,
     softmax_init,
     softmax_update,
+    whole_array_call,
 )
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
@@ -201,19 +202,16 @@ def paged_decode(
         block_kv=config.block_kv,
         num_splits=splits,
     )
-    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
-    out, lse = pl.pallas_call(
+    out, lse = whole_array_call(
         kernel,
+        inputs,
+        out_shape,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[whole(x) for x in inputs],
-        out_specs=[whole(s) for s in out_shape],
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         interpret=interpret,
         name="paged_decode",
-    )(*inputs)
+    )
     if splits > 1:
         out, lse = _combine(out, lse, q.dtype)
     return out, lse
