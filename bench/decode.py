@@ -19,7 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import TOLERANCES, SetResult, Settings, bench_impl, progress
+from bench.common import (
+    L2_BYTES,
+    TOLERANCES,
+    SetResult,
+    Settings,
+    Sweep,
+    bench_impl,
+    bench_ours,
+    num_input_sets,
+    progress,
+)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 SMOKE_HEADS = (4, 2, 32, 8)
@@ -47,23 +57,55 @@ ROWS = (
     DecodeRow(64, 16384), DecodeRow(256, 2048), DecodeRow(64, 4096, ragged=True),
     DecodeRow(8, 8192, ragged=True),
 )  # fmt: skip
+CHAINED, CHAINED_BYTES = 8, 2**32  # (peer layouts triple the memory of each copy)
 SMOKE_ROWS = (DecodeRow(1, 512), DecodeRow(2, 512, ragged=True))  # peers need 16 splits
 
+# block_kv x num_warps x num_stages x num_splits ("h": the heuristic's split count; "h*2",
+# "h/2": twice, half of it).
+DEFAULT_SWEEP = (
+    "64x4x3xh", "64x4x4xh", "32x4x3xh", "32x2x4xh", "128x4x2xh", "128x4x3xh", "128x8x3xh",
+    "64x8x3xh", "64x2x3xh", "64x4x3x1", "64x4x3x2", "64x4x3x4", "64x4x3x8", "64x4x3x16",
+    "64x4x3x32",
+)  # fmt: skip
 
-def _inputs(row: DecodeRow, heads, seed: int):
-    """q, our cache, block tables and lengths, plus the same K/V contiguous [B, S, Hkv, D]."""
+
+def _sweep(heuristic) -> Sweep:
+    """Decode config specs; "h" in the split position stands for `heuristic.num_splits`."""
+    from pallas_kernels.paged_decode.config import PagedDecodeConfig
+
+    def parse(spec: str) -> PagedDecodeConfig:
+        block_kv, warps, stages, splits = spec.split("x")
+        h = heuristic.num_splits
+        if splits.startswith("h"):
+            factor = int(splits[2:]) if len(splits) > 1 else 1
+            splits = h * factor if splits[1:2] in ("*", "") else max(1, h // factor)
+        splits = int(splits)
+        return PagedDecodeConfig(int(block_kv), splits, int(warps), int(stages))
+
+    def label(c) -> str:
+        return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}"
+
+    return Sweep(parse=parse, label=label, default=DEFAULT_SWEEP)
+
+
+def _inputs(row: DecodeRow, heads, seed: int, copy: int = 0):
+    """q, our cache, block tables and lengths, plus the same K/V contiguous [B, S, Hkv, D].
+
+    Copies of one row share its lengths (`seed`) but draw their values and page placement
+    anew (`copy`).
+    """
     import jaxattn
 
     num_q_heads, num_kv_heads, head_dim, page_size = heads
     lengths = row.lengths(seed)
     pages_per_seq = -(-row.context // page_size)
     num_pages = row.batch * pages_per_seq
-    keys = jax.random.split(jax.random.key(seed), 3)
+    keys = jax.random.split(jax.random.key(1000 * seed + copy), 3)
     shape = (row.batch, pages_per_seq * page_size, num_kv_heads, head_dim)
     k = jax.random.normal(keys[0], shape, jnp.bfloat16)
     v = jax.random.normal(keys[1], shape, jnp.bfloat16)
     q = jax.random.normal(keys[2], (row.batch, num_q_heads, head_dim), jnp.bfloat16)
-    tables = np.random.default_rng(seed).permutation(num_pages).reshape(row.batch, -1)
+    tables = np.random.default_rng(1000 * seed + copy).permutation(num_pages).reshape(row.batch, -1)
     inverse = np.argsort(tables.reshape(-1))  # page id -> (sequence, page index) flat
 
     def to_pages(x):  # [B, S, Hkv, D] -> [N, Hkv, P, D] with pages where tables say
@@ -95,9 +137,16 @@ def decode_set(settings: Settings) -> SetResult:
     interpret = jax.default_backend() != "gpu"
     rows = []
     for index, row in enumerate(SMOKE_ROWS if settings.smoke else ROWS):
-        q, cache, tables, lengths, k, v = _inputs(row, heads, seed=10 * index)
+        lengths = row.lengths(seed=10 * index)
+        kv_bytes = float(np.sum(lengths)) * heads[1] * heads[2] * 2 * 2
+        # Caches that fit in L2 are rotated (several copies), so no call reads a warm cache;
+        # short calls get CHAINED copies, timed back to back in one program (bench.common).
+        copies = 1 if kv_bytes > 3 * L2_BYTES else num_input_sets(int(kv_bytes))
+        if kv_bytes * CHAINED <= CHAINED_BYTES:
+            copies = CHAINED
+        inputs = [_inputs(row, heads, seed=10 * index, copy=i) for i in range(copies)]
+        q, cache, tables, lengths, k, v = inputs[0]
         ref = _reference(q, cache, tables, lengths)
-        kv_bytes = float(np.sum(np.asarray(lengths))) * heads[1] * heads[2] * 2 * 2
         config = jaxattn.PagedDecodeConfig.heuristic(
             row.batch, heads[1], tables.shape[1] * heads[3], heads[3]
         )
@@ -105,39 +154,50 @@ def decode_set(settings: Settings) -> SetResult:
             bench_impl, settings, set_name="decode", shape=row.label, ref=ref,
             tol=TOLERANCES[jnp.dtype(jnp.bfloat16)], work=kv_bytes, unit="TB/s",
         )  # fmt: skip
-        ours = jax.jit(
-            functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
-        )
-        mine = measure(
-            impl="ours", fn=ours, arg_sets=[(q, cache, tables, lengths)], on_error="FAILED",
-            notes=f"block_kv {config.block_kv}, splits {config.num_splits} (heuristic)",
+        mine, *variants = bench_ours(
+            settings,
+            sweep=_sweep(config),
+            make_fn=lambda c: jax.jit(
+                functools.partial(jaxattn.paged_decode, implementation="pallas", config=c)
+            ),
+            config=config,
+            set_name="decode", shape=row.label, ref=ref,
+            tol=TOLERANCES[jnp.dtype(jnp.bfloat16)], work=kv_bytes, unit="TB/s",
+            arg_sets=[x[:4] for x in inputs],
         )  # fmt: skip
         cudnn = jax.jit(
             lambda q, k, v, n: jax.nn.dot_product_attention(
                 q[:, None], k, v, key_value_seq_lengths=n, implementation="cudnn"
             )[:, 0]
         )
-        peers = [measure(impl="cudnn", fn=cudnn, arg_sets=[(q, k, v, lengths)])]
+        contiguous = [(x[0], x[4], x[5], x[3]) for x in inputs]
+        peers = [measure(impl="cudnn", fn=cudnn, arg_sets=contiguous)]
         gqa = jax.jit(
             lambda q, k, v, n: decode_attention.gqa(q, k, v, kv_seq_len=n, interpret=interpret)
         )
-        peers.append(measure(impl="jax gqa decode", fn=gqa, arg_sets=[(q, k, v, lengths)]))
+        peers.append(measure(impl="jax gqa decode", fn=gqa, arg_sets=contiguous))
         # Its layout is [Hkv, N, P, D], and it takes no scale: q comes pre-scaled.
-        jax_pages = [jnp.swapaxes(x, 0, 1) for x in (cache.k_pages, cache.v_pages)]
-        q_scaled = (q * heads[2] ** -0.5).astype(q.dtype)
         paged = jax.jit(
             lambda q, kp, vp, t, n: paged_attention.paged_attention(
                 q, kp, vp, t, n, interpret=interpret
             )
         )
-        paged_peer = measure(
-            impl="jax paged_attention", fn=paged, arg_sets=[(q_scaled, *jax_pages, tables, lengths)]
-        )
+        paged_sets = [
+            (
+                (q * heads[2] ** -0.5).astype(q.dtype),
+                jnp.swapaxes(cache.k_pages, 0, 1),
+                jnp.swapaxes(cache.v_pages, 0, 1),
+                tables,
+                lengths,
+            )
+            for q, cache, tables, lengths, _, _ in inputs
+        ]
+        paged_peer = measure(impl="jax paged_attention", fn=paged, arg_sets=paged_sets)
         if mine.status == paged_peer.status == "ok":
             ratio = mine.rate / paged_peer.rate
             mine = progress(
                 dataclasses.replace(mine, notes=f"{mine.notes}; {ratio:.2f}x jax paged")
             )
-        rows += [mine, *peers, paged_peer]
+        rows += [mine, *variants, *peers, paged_peer]
     label = f"bf16, Hq {heads[0]} / Hkv {heads[1]}, D {heads[2]}, page {heads[3]}, pages scattered"
     return SetResult("decode", label, rows)

@@ -27,7 +27,9 @@ from bench.common import (
     Row,
     SetResult,
     Settings,
+    Sweep,
     bench_impl,
+    bench_ours,
     join_notes,
     num_input_sets,
     progress,
@@ -197,6 +199,15 @@ def config_label(config) -> str:
     return f"{config.block_q}x{config.block_kv}x{config.num_warps}x{config.num_stages}"
 
 
+SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)
+
+
+def _bench_ours(settings: Settings, *, arg_sets: Sequence[tuple], flops: float, **kw) -> list[Row]:
+    """`bench_ours` on a prefill row: TFLOP/s, the tolerance of the inputs' dtype."""
+    tol = TOLERANCES[arg_sets[0][0].dtype]
+    return bench_ours(settings, sweep=SWEEP, arg_sets=arg_sets, tol=tol, work=flops, **kw)
+
+
 def _ours_dense(causal: bool) -> Callable:
     """config -> jitted `jaxattn.attention(q, k, v)` on the pallas kernel."""
     import jaxattn
@@ -215,58 +226,6 @@ def _ours_packed(causal: bool) -> Callable:
             jaxattn.ragged_attention, causal=causal, implementation="pallas", config=config
         )
     )
-
-
-def _bench_ours(
-    settings: Settings,
-    *,
-    set_name: str,
-    shape: str,
-    make_fn: Callable,
-    config,
-    arg_sets: Sequence[tuple],
-    ref: jax.Array | None,
-    flops: float,
-    notes: str = "",
-) -> list[Row]:
-    """Our kernel with the heuristic `config`; with `settings.sweep`, config variants too."""
-    measure = functools.partial(
-        bench_impl,
-        settings,
-        set_name=set_name,
-        shape=shape,
-        impl="ours",
-        arg_sets=arg_sets,
-        ref=ref,
-        tol=TOLERANCES[arg_sets[0][0].dtype],
-        work=flops,
-    )
-    main = measure(
-        fn=make_fn(config),
-        on_error="FAILED",
-        notes=join_notes(notes, f"config {config_label(config)} (heuristic)"),
-    )
-    if not settings.sweep:
-        return [main]
-    variants = []
-    for spec in settings.sweep_configs or DEFAULT_SWEEP:
-        try:
-            variant = parse_config(spec)
-        except ValueError as e:  # A malformed spec or an invalid block size.
-            row = Row(set_name, shape, "ours", "error", notes=f"sweep {spec}: {e}", sweep=True)
-            variants.append(progress(row))
-            continue
-        variants.append(
-            measure(fn=make_fn(variant), on_error="error", notes=f"sweep {spec}", sweep=True)
-        )
-    timed = [r for r in variants if r.status == "ok"]
-    if timed:
-        best = min(timed, key=lambda r: r.time_ms)
-        speedup = f"{main.time_ms / best.time_ms:.2f}x vs heuristic" if main.time_ms else ""
-        variants[variants.index(best)] = dataclasses.replace(
-            best, notes=join_notes(best.notes, "BEST", speedup)
-        )
-    return [main, *variants]
 
 
 def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable, Callable | None, str]]:
