@@ -235,12 +235,14 @@ def paged_decode_reference(
 
     q `[B, Hq, D]`; sequence b holds `context_lens[b]` tokens (the new one included, so the
     query sits at position `context_lens[b] - 1`) in pages `block_tables[b]` of `cache`.
+    A quantized cache is dequantized in float32, then rounded to q's dtype, as the kernel
+    does: the reference sees exactly the K/V values the kernel multiplies.
     Returns out `[B, Hq, D]` (and lse `[B, Hq]`).
     """
     from jaxattn.cache import gather_kv  # (cache imports nothing from here)
 
     max_len = block_tables.shape[1] * cache.page_size
-    k, v = gather_kv(cache, block_tables, context_lens, max_len)
+    k, v = gather_kv(cache, block_tables, context_lens, max_len)  # quantized: float32
     out = attention_reference(
         q[:, None],
         k.astype(q.dtype),
