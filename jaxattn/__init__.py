@@ -11,15 +11,34 @@ from jaxattn.cache import PagedKVCache, gather_kv, write_kv
 from jaxattn.decode import contiguous_kv_cache, paged_decode, validate_page_table
 from jaxattn.manager import KVCacheManager, pad_ids, reserve_from_lists
 from jaxattn.positional import RelativeBias, alibi_slopes, relative_position_bucket
+from jaxattn.quant import KVQuant, calibrate_kv_scales, dequantize, quantize
 from jaxattn.reference import (
     attention_reference,
     paged_decode_reference,
     ragged_attention_reference,
 )
+from jaxattn.rope import (
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    RoPE,
+    YarnScaling,
+    apply_rope,
+)
 from pallas_kernels.flash_prefill import FlashPrefillConfig
 from pallas_kernels.paged_decode import PagedDecodeConfig
 
 __all__ = [
+    "DynamicNTKScaling",
+    "KVQuant",
+    "LinearScaling",
+    "Llama3Scaling",
+    "RoPE",
+    "YarnScaling",
+    "apply_rope",
+    "calibrate_kv_scales",
+    "dequantize",
+    "quantize",
     "FlashPrefillConfig",
     "KVCacheManager",
     "PagedDecodeConfig",

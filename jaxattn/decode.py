@@ -18,7 +18,7 @@ from jaxattn import reference, validation
 from jaxattn.cache import PagedKVCache
 from jaxattn.dispatch import run_first
 from pallas_kernels.common import use_interpret
-from pallas_kernels.paged_decode import DecodeParams, PagedDecodeConfig
+from pallas_kernels.paged_decode import CacheFormat, DecodeParams, PagedDecodeConfig
 from pallas_kernels.paged_decode import paged_decode as _paged_decode_kernel
 
 __all__ = ["contiguous_kv_cache", "paged_decode", "validate_page_table"]
@@ -38,8 +38,11 @@ def _check(
         raise ValueError(
             f"{q.shape=} and {cache.k_pages.shape=}: num_q_heads must be a multiple of num_kv_heads"
         )
-    if q.dtype != cache.dtype:
+    cache.check()
+    if cache.quant is None and q.dtype != cache.dtype:
         raise ValueError(f"{q.dtype=} and {cache.dtype=}: q and the cache must share a dtype")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype.itemsize < 2:
+        raise ValueError(f"{q.dtype=}: expected float32, bfloat16 or float16")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"{block_tables.shape=}: expected [B={batch}, max_pages_per_seq]")
     if not np.issubdtype(block_tables.dtype, np.integer):
@@ -74,9 +77,11 @@ def paged_decode(
     """One new query token per sequence attends to its cached history.
 
     Args:
-      q: `[B, Hq, D]`, the query of each sequence's newest token, cache dtype.
+      q: `[B, Hq, D]`, the query of each sequence's newest token, in the cache's dtype
+        (a quantized cache: any of float32 / bfloat16 / float16; K/V are dequantized
+        in-kernel to q's dtype, as the reference does).
       cache: the `PagedKVCache` holding every sequence's K/V (the new token's included:
-        write it with `write_kv` first).
+        write it with `write_kv` first), plain or quantized (`jaxattn.KVQuant`).
       block_tables: int32 `[B, max_pages]`: page `block_tables[b, i]` holds positions
         `i*P .. i*P + P-1` of sequence b. Entries past a sequence's pages are never read.
       context_lens: int32 `[B]`, tokens sequence b holds; the query sits at position
@@ -142,15 +147,22 @@ def _pallas(
         soft_cap=None if soft_cap is None else float(soft_cap),
         scale=scale,
     )
+    quant = cache.quant
+    fmt = CacheFormat()
+    if quant is not None:
+        fmt = CacheFormat(quant.dtype, quant.granularity, quant.group_size or cache.head_dim)
     return _paged_decode_kernel(
         q,
         cache.k_pages,
         cache.v_pages,
         block_tables,
         context_lens,
+        k_scales=cache.k_scales,
+        v_scales=cache.v_scales,
         alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
         params=params,
         config=config,
+        fmt=fmt,
         interpret=use_interpret(),
     )
 

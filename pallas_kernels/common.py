@@ -65,12 +65,17 @@ def relative_position_bucket(
 
 # Online softmax in base 2 (FlashAttention-2): the running state of each query row is the
 # unnormalised output `acc [rows, Dp]`, the row maximum `m [rows]` and the sum `l [rows]`.
+# `acc` may also be a tuple of column parts (`[rows, Dp_i]` each, V then comes as a tuple of
+# matching parts): the decode kernel splits INT4 rows in two halves.
 
 
-def softmax_init(rows: int, padded_dim: int):
-    """(acc, m, l) before any key: m starts at MASK_VALUE, never -inf (no inf - inf)."""
+def softmax_init(rows: int, padded_dim):
+    """(acc, m, l) before any key: m starts at MASK_VALUE, never -inf (no inf - inf).
+    `padded_dim`: an int, or a tuple of ints for an accumulator in parts."""
+    dims = padded_dim if isinstance(padded_dim, tuple) else (padded_dim,)
+    acc = tuple(jnp.zeros((rows, d), jnp.float32) for d in dims)
     return (
-        jnp.zeros((rows, padded_dim), jnp.float32),
+        acc if isinstance(padded_dim, tuple) else acc[0],
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
@@ -78,26 +83,28 @@ def softmax_init(rows: int, padded_dim: int):
 
 def softmax_update(carry, s, load_v, precision=None):
     """Folds one key block into the state. s: `[rows, block]` base-2 logits (masked keys at
-    MASK_VALUE); `load_v()` returns V `[block, Dp]`, loaded after the exponentials."""
+    MASK_VALUE); `load_v()` returns V `[block, Dp]` (or its parts), loaded after the
+    exponentials."""
     acc, m, l = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    v = load_v()
-    acc = acc * alpha[:, None] + jnp.dot(
-        p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
-    )
-    return acc, m_new, l
+
+    def fold(a, v):
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return a * alpha[:, None] + pv
+
+    return jax.tree.map(fold, acc, load_v()), m_new, l
 
 
 def softmax_finish(carry, row_ok=True):
-    """(out [rows, Dp] float32, natural lse [rows]); rows that saw no key (or not
-    `row_ok`) give zeros and -inf."""
+    """(out [rows, Dp] float32 (or its parts), natural lse [rows]); rows that saw no key
+    (or not `row_ok`) give zeros and -inf."""
     acc, m, l = carry
     ok = row_ok & (m > 0.5 * MASK_VALUE)
     l_safe = jnp.where(ok, l, 1.0)
-    out = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0)
+    out = jax.tree.map(lambda a: jnp.where(ok[:, None], a / l_safe[:, None], 0.0), acc)
     return out, jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 

@@ -148,6 +148,76 @@ def test_split_k_matches_single_pass(splits):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), rtol=1e-5, atol=1e-6)
 
 
+QUANTS = [
+    jaxattn.KVQuant(dtype, granularity, group_size)
+    for dtype in ("int8", "float8_e4m3fn", "int4")
+    for granularity, group_size in (("tensor", None), ("group", None), ("group", 8))
+]
+
+
+@impls
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("quant", QUANTS, ids=str)
+def test_quantized_decode_vs_oracle(quant, dtype, impl):
+    """Dequantized in-kernel: equals the float64 oracle run on the dequantized cache (the
+    values `gather_kv` returns), with split-K off and on. Every slot no sequence owns holds
+    large garbage, so reading one shows."""
+    rng = util.rng_for("quant-decode", str(quant), dtype)
+    page, max_pages, hkv, d, num_pages = 8, 6, 2, _head_dim(), 40
+    lengths = np.array([1, 8, 9, 48, 30])
+    batch = len(lengths)
+    tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+    scales = dict(k_scale=0.03, v_scale=0.025) if quant.granularity == "tensor" else {}
+    cache = jaxattn.PagedKVCache.create(num_pages, page, hkv, d, quant=quant, **scales)
+    garbage = util.randn(rng, (num_pages * page, hkv, d), scale=50.0)
+    cache = jaxattn.write_kv(cache, garbage, -garbage, jnp.arange(num_pages * page))
+    slots = np.concatenate([tables[b, np.arange(n) // page] * page + np.arange(n) % page
+                            for b, n in enumerate(lengths)])  # fmt: skip
+    k, v = (util.randn(rng, (len(slots), hkv, d)) for _ in range(2))
+    cache = jaxattn.write_kv(cache, k, v, jnp.asarray(slots, jnp.int32))
+    q = util.randn(rng, (batch, NUM_Q_HEADS, d), dtype)
+    tables, lens = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    # The oracle's K/V: the dequantized history, rounded to q's dtype as the kernel does.
+    k_hist, v_hist = jaxattn.gather_kv(cache, tables, lens, max_pages * page)
+    k_hist, v_hist = (util.f64(x.astype(dtype)) for x in (k_hist, v_hist))
+    options = dict(window=20, sink_tokens=2, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS))
+    want, _ = attention_oracle(
+        util.f64(q)[:, None], k_hist, v_hist, causal=True, q_lengths=np.ones(batch, int),
+        kv_lengths=lengths, **{**options, "alibi_slopes": np.float64(options["alibi_slopes"])},
+    )  # fmt: skip
+    for splits in (1, 3):
+        config = jaxattn.PagedDecodeConfig(16, splits) if impl == "pallas" else None
+        out = jaxattn.paged_decode(
+            q, cache, tables, lens, implementation=impl, config=config, **options
+        )
+        util.assert_out_close(out, want[:, 0], dtype, what=f"{quant} splits {splits}")
+
+
+def test_combine_splits_vs_numpy():
+    """The split-K merge on its own: empty splits (lse -inf) weigh nothing, a head whose
+    every split is empty gives zeros and -inf, and S need not be a power of two."""
+    from pallas_kernels.common import use_interpret
+    from pallas_kernels.paged_decode.combine import combine_splits
+
+    rng = np.random.default_rng(7)
+    o_part = rng.standard_normal((2, 3, 5, 40)).astype(np.float32)
+    lse_part = (3 * rng.standard_normal((2, 3, 5))).astype(np.float32)
+    lse_part[0, 1, [0, 3]] = -np.inf
+    lse_part[1, 2, :] = -np.inf
+    out, lse = combine_splits(
+        jnp.asarray(o_part), jnp.asarray(lse_part), dtype=jnp.float32, interpret=use_interpret()
+    )
+    w = np.exp(lse_part.astype(np.float64) - lse_part.max(-1, keepdims=True))
+    w[1, 2] = 0.0
+    total = w.sum(-1)
+    want = np.einsum("bhs,bhsd->bhd", w, o_part) / np.where(total > 0, total, 1)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want_lse = np.where(total > 0, lse_part.max(-1) + np.log(total), -np.inf)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(out)[1, 2] == 0) and np.asarray(lse)[1, 2] == -np.inf
+
+
 def test_decode_after_write_kv_matches_gather_reference():
     """The serving path: tokens written with write_kv, decode equals the reference on
     gather_kv of the same cache."""

@@ -136,3 +136,40 @@ def test_paged_decode_lowers_to_triton(page_size, options, num_splits):
         arrays,
     )
     assert "triton" in text
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        jaxattn.KVQuant("int8"),
+        jaxattn.KVQuant("float8_e4m3fn"),
+        jaxattn.KVQuant("int4"),
+        jaxattn.KVQuant("int8", "group"),
+        jaxattn.KVQuant("int4", "group", 32),
+        jaxattn.KVQuant("float8_e4m3fn", "group", 64),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
+    config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=num_splits)
+    fn = jax.jit(
+        lambda q, cache, tables, lengths: jaxattn.paged_decode(
+            q, cache, tables, lengths, implementation="pallas", config=config
+        )
+    )
+    head_dim = 128
+    shape = (64, 8, 16, quant.packed_dim(head_dim))
+    if quant.granularity == "tensor":
+        scales = (_spec((), jnp.float32),) * 2
+    else:
+        scales = (_spec((64, 8, 16, quant.num_groups(head_dim)), jnp.bfloat16),) * 2
+    pages = _spec(shape, quant.storage_dtype)
+    text = _lower(
+        fn,
+        _spec((4, 32, head_dim)),
+        jaxattn.PagedKVCache(pages, pages, *scales, quant=quant),
+        _spec((4, 128), jnp.int32),
+        _spec((4,), jnp.int32),
+    )
+    assert "triton" in text

@@ -6,8 +6,6 @@ import dataclasses
 
 import jax
 
-from pallas_kernels.common import next_power_of_2
-
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
 
 
@@ -26,7 +24,7 @@ class PagedDecodeConfig:
     block_kv: int = 64
     num_splits: int = 1
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -48,17 +46,23 @@ class PagedDecodeConfig:
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
-        Each split should still stream several blocks, or the combine pass and the
-        per-program start-up dominate. (Not yet tuned on a GPU: see bench/RESULTS.md.)
+        Tuned on an H100 (bench/RESULTS.md, decode sweeps; bf16, D 128, pages of 16):
+        - >= one program per SM: 64-token blocks, 3 stages, no split (2.9 TB/s at B64).
+        - fewer: about two programs per SM through split-K, each split streaming at least
+          two 128-token blocks (the split's start-up and the combine pass then stay
+          small); 128-token blocks in 2 stages were best with ragged lengths (programs of
+          short sequences finish early) and within 3% of the best otherwise.
+        The page size does not matter: a block gathers its rows from any pages.
         """
+        del page_size  # (kept in the signature: a kernel reading whole pages would use it)
         sm_count = sm_count or _sm_count()
-        block_kv = min(128, max(64, next_power_of_2(page_size)))
         programs = batch * num_kv_heads
-        splits = 1
-        if programs < sm_count:
-            splits = -(-2 * sm_count // programs)  # two programs per SM
-            splits = min(splits, max(1, max_context // (4 * block_kv)), 64)
-        return cls(block_kv=block_kv, num_splits=splits)
+        if programs >= sm_count:
+            return cls(block_kv=64, num_splits=1, num_warps=4, num_stages=3)
+        block_kv = 128
+        splits = -(-2 * sm_count // programs)
+        splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
+        return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
 
 
 def _sm_count() -> int:

@@ -7,8 +7,8 @@ kernels do). Block tables are read in-kernel: a `block_kv`-token step gathers it
 whatever pages hold them, so pages may lie anywhere in the pool and have any size.
 
 Split-K ("multi-block"): with `num_splits > 1` each program covers a contiguous share of
-the context and writes its normalised partial output and log-sum-exp; `_combine` merges
-them (out = sum_s exp(lse_s - lse) * out_s). This keeps the GPU busy when
+the context and writes its normalised partial output and log-sum-exp; a second kernel merges
+them (out = sum_s exp(lse_s - lse) * out_s; `combine.py`). This keeps the GPU busy when
 `batch * num_kv_heads` is small against the number of SMs.
 """
 
@@ -31,8 +31,11 @@ from pallas_kernels.common import (
     softmax_update,
     whole_array_call,
 )
+from pallas_kernels.paged_decode.cache_read import CacheFormat, read_kv
+from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
+PLAIN = CacheFormat()  # float pools, no scales
 _MIN_ROWS = 16  # Triton's dot needs M >= 16: the group's query rows are padded to this
 
 
@@ -51,9 +54,10 @@ def _paged_decode_kernel(
     table_ref,  # [B, max_pages] int32
     q_ref,  # [B, Hq, D]
     k_ref,
-    v_ref,  # [N, Hkv, P, D]
+    v_ref,  # [N, Hkv, P, Dp]: float, or quantized as `fmt` says (int4: Dp = D / 2)
     *refs,
     params: DecodeParams,
+    fmt: CacheFormat,
     has_alibi: bool,
     split_out: bool,
     group: int,
@@ -63,29 +67,37 @@ def _paged_decode_kernel(
     num_splits: int,
 ):
     refs = list(refs)
+    k_scale_ref = v_scale_ref = None
+    if fmt.dtype is not None:  # "tensor": [1] each; "group": [N, Hkv, P, G] each
+        k_scale_ref, v_scale_ref = refs.pop(0), refs.pop(0)
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
     o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_pages, page_size, max_pages = k_ref.shape[0], k_ref.shape[2], table_ref.shape[1]
-    padded_dim = next_power_of_2(head_dim)
-    dims = jnp.arange(padded_dim)
-    dim_ok = dims[None, :] < head_dim  # [1, Dp]
+    # Columns come in `fmt.parts` parts of D / parts channels (two for INT4: cache_read).
+    part_dim = head_dim // fmt.parts
+    dims = jnp.arange(next_power_of_2(part_dim))
+    dim_ok = dims[None, :] < part_dim  # [1, Pd]
     g = jnp.arange(rows)
     row_ok = g < group
     heads = kvh * group + g  # [rows] query heads of this kv group
 
-    q = plgpu.load(  # [rows, Dp]
-        q_ref.at[b, pl.ds(kvh * group, rows), pl.ds(0, padded_dim)],
-        mask=row_ok[:, None] & dim_ok,
-        other=0.0,
+    q = tuple(  # parts of [rows, Pd]
+        plgpu.load(
+            q_ref.at[b, heads[:, None], p * part_dim + dims[None, :]],
+            mask=row_ok[:, None] & dim_ok,
+            other=0.0,
+        )
+        for p in range(fmt.parts)
     )
     ctx = ctx_ref[b]
     pos = ctx - 1  # the query's position
     slopes = None
     if has_alibi:
-        slopes = plgpu.load(alibi_ref.at[pl.ds(kvh * group, rows)], mask=row_ok, other=0.0)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        slopes = plgpu.load(alibi_ref.at[heads], mask=row_ok, other=0.0)
+    dtype = q[0].dtype
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
 
     def body(block, carry):
@@ -94,10 +106,13 @@ def _paged_decode_kernel(
         col = t // page_size
         pages = plgpu.load(table_ref.at[b, col], mask=t_ok & (col < max_pages), other=0)
         pages = jnp.clip(pages, 0, num_pages - 1)  # a corrupt table never reads off the pool
-        at = (pages[:, None], kvh, (t % page_size)[:, None], dims[None, :])
-        kv_ok = t_ok[:, None] & dim_ok
-        k = plgpu.load(k_ref.at[at], mask=kv_ok, other=0.0).astype(q.dtype)  # [block_kv, Dp]
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        at = (pages[:, None], kvh, (t % page_size)[:, None])
+        read = functools.partial(read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim)
+        k = read(k_ref, k_scale_ref, dtype=dtype)  # parts of [block_kv, Pd]
+        s = sum(
+            jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
+            for qp, kp in zip(q, k, strict=True)
+        )
         s = s * qk_scale
         if has_alibi:
             dist = jnp.abs(pos - t).astype(jnp.float32)
@@ -112,8 +127,7 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        load_v = lambda: plgpu.load(v_ref.at[at], mask=kv_ok, other=0.0).astype(q.dtype)  # noqa: E731
-        return softmax_update(carry, s, load_v, precision)
+        return softmax_update(carry, s, lambda: read(v_ref, v_scale_ref, dtype=dtype), precision)
 
     # This split's share of the blocks that can hold visible keys.
     lo = 0 if params.window is None else jnp.maximum(pos - params.window + 1, 0)
@@ -123,7 +137,7 @@ def _paged_decode_kernel(
     start = jnp.minimum(lo_b + split * per_split, hi_b)
     end = jnp.minimum(start + per_split, hi_b)
 
-    carry = softmax_init(rows, padded_dim)
+    carry = softmax_init(rows, (len(dims),) * fmt.parts)
     if params.window is not None and params.sink_tokens:
         # Sink blocks below the window belong to split 0. (Integer arithmetic rather than
         # a select of constants: see flash_prefill on Triton's i1/i32 lowering.)
@@ -132,25 +146,19 @@ def _paged_decode_kernel(
         carry = jax.lax.fori_loop(0, sink_b, body, carry)
     out, lse = softmax_finish(jax.lax.fori_loop(start, end, body, carry))
     store_ok = row_ok[:, None] & dim_ok
+    for p, part in enumerate(out):
+        cols = p * part_dim + dims[None, :]
+        if split_out:
+            plgpu.store(o_ref.at[b, heads[:, None], split, cols], part, mask=store_ok)
+        else:
+            plgpu.store(o_ref.at[b, heads[:, None], cols], part.astype(o_ref.dtype), mask=store_ok)
     if split_out:
-        plgpu.store(o_ref.at[b, heads[:, None], split, dims[None, :]], out, mask=store_ok)
         plgpu.store(lse_ref.at[b, heads, split], lse, mask=row_ok)
     else:
-        plgpu.store(
-            o_ref.at[b, heads[:, None], dims[None, :]], out.astype(o_ref.dtype), mask=store_ok
-        )
         plgpu.store(lse_ref.at[b, heads], lse, mask=row_ok)
 
 
-def _combine(o_part, lse_part, dtype):
-    """Merges split results: o_part `[B, Hq, S, D]`, lse_part `[B, Hq, S]` (float32)."""
-    lse = jax.nn.logsumexp(lse_part, axis=-1)  # -inf where every split was empty
-    weights = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(lse_part - lse[..., None]), 0.0)
-    out = jnp.einsum("bhs,bhsd->bhd", weights, o_part)
-    return out.astype(dtype), lse
-
-
-@functools.partial(jax.jit, static_argnames=("params", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("params", "config", "fmt", "interpret"))
 def paged_decode(
     q,
     k_pages,
@@ -158,15 +166,20 @@ def paged_decode(
     block_tables,
     context_lens,
     *,
+    k_scales=None,
+    v_scales=None,
     alibi_slopes=None,
     params: DecodeParams,
     config: PagedDecodeConfig,
+    fmt: CacheFormat = PLAIN,
     interpret: bool = False,
 ):
     """Decode attention over a paged cache.
 
     Args:
-      q: `[B, Hq, D]`. k_pages, v_pages: `[N, Hkv, P, D]` (any float dtype; read as q's).
+      q: `[B, Hq, D]`. k_pages, v_pages: `[N, Hkv, P, Dp]`: any float dtype (read as q's),
+        or quantized as `fmt` says, with `k_scales`, `v_scales` (float32 `[]` per tensor,
+        bfloat16 `[N, Hkv, P, G]` per group).
       block_tables: int32 `[B, max_pages]`; context_lens: int32 `[B]` (query included).
       alibi_slopes: float32 `[Hq]` or None. params, config: static options and tiling.
 
@@ -179,6 +192,11 @@ def paged_decode(
     rows = max(_MIN_ROWS, next_power_of_2(group))
     splits = config.num_splits
     inputs = [context_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q, k_pages, v_pages]
+    if fmt.dtype is not None:
+        scales = (k_scales, v_scales)
+        if fmt.granularity == "tensor":
+            scales = tuple(jnp.reshape(x, (1,)).astype(jnp.float32) for x in scales)
+        inputs += scales
     if alibi_slopes is not None:
         inputs.append(alibi_slopes.astype(jnp.float32))
     if splits == 1:
@@ -194,6 +212,7 @@ def paged_decode(
     kernel = functools.partial(
         _paged_decode_kernel,
         params=params,
+        fmt=fmt,
         has_alibi=alibi_slopes is not None,
         split_out=splits > 1,
         group=group,
@@ -213,5 +232,5 @@ def paged_decode(
         name="paged_decode",
     )
     if splits > 1:
-        out, lse = _combine(out, lse, q.dtype)
+        out, lse = combine_splits(out, lse, dtype=q.dtype, interpret=interpret)
     return out, lse
