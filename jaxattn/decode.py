@@ -140,6 +140,7 @@ def _pallas(
             cache.num_kv_heads,
             block_tables.shape[1] * cache.page_size,
             cache.page_size,
+            quantized=cache.quant is not None,
         )
     params = DecodeParams(
         window=None if window is None else int(window),
@@ -150,7 +151,8 @@ def _pallas(
     quant = cache.quant
     fmt = CacheFormat()
     if quant is not None:
-        fmt = CacheFormat(quant.dtype, quant.granularity, quant.group_size or cache.head_dim)
+        groups = quant.num_groups(cache.head_dim)
+        fmt = CacheFormat(quant.dtype, quant.granularity, 0 if groups == 1 else quant.group_size)
     return _paged_decode_kernel(
         q,
         cache.k_pages,

@@ -187,7 +187,11 @@ def group_scales(x: Float[Array, "... D"], quant: KVQuant) -> Float[Array, "... 
     groups = quant.num_groups(head_dim)
     xg = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, head_dim // groups)
     amax = jnp.max(jnp.abs(xg), axis=-1)
-    return jnp.maximum(amax / quant.qmax, TINY_SCALE).astype(jnp.bfloat16)
+    scale = jnp.maximum(amax / quant.qmax, TINY_SCALE)
+    # Round to bf16 explicitly: XLA may drop a float32 -> bf16 -> float32 round trip
+    # (excess precision, on by default on GPUs), and `quantize` in the same jitted program
+    # would then divide by the unrounded scale while the bf16 one is stored.
+    return jax.lax.reduce_precision(scale, exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
 
 
 def calibrate_kv_scales(

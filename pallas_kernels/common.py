@@ -81,18 +81,21 @@ def softmax_init(rows: int, padded_dim):
     )
 
 
-def softmax_update(carry, s, load_v, precision=None):
+def softmax_update(carry, s, load_v, precision=None, v_scale=None):
     """Folds one key block into the state. s: `[rows, block]` base-2 logits (masked keys at
     MASK_VALUE); `load_v()` returns V `[block, Dp]` (or its parts), loaded after the
-    exponentials."""
+    exponentials; `v_scale` `[block]`: a factor of each V row not applied by `load_v`
+    (a quantized cache's row scales), folded into the probabilities instead."""
     acc, m, l = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
+    p_v = p if v_scale is None else p * v_scale[None, :]
 
     def fold(a, v):
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        f32 = jnp.float32
+        pv = jnp.dot(p_v.astype(v.dtype), v, precision=precision, preferred_element_type=f32)
         return a * alpha[:, None] + pv
 
     return jax.tree.map(fold, acc, load_v()), m_new, l

@@ -2,33 +2,28 @@
 
 A step of the kernel reads the rows of `block_kv` cached tokens of one kv head, wherever
 their pages are, and hands the dot products values in the query's dtype. Quantized pools
-(formats: `jaxattn.quant`) are dequantized in registers, exactly as the reference does it:
-`(stored as float32) * scale`, rounded once to the query's dtype; no dequantized copy of
-the cache ever exists in HBM.
+(formats: `jaxattn.quant`) are dequantized in registers; no dequantized copy of the cache
+ever exists in HBM. A scale that is constant along a row (per tensor, or per token and
+head: per-group scales with `group_size = head_dim`) is factored out of the tile: the
+stored integers (exact in bf16) go straight to the dot, and the scale multiplies the
+logits (K) or the probabilities (V) of that token, `[block]` values instead of
+`[block, D]`. Finer groups are applied per element: `(stored as float32) * scale`, rounded
+once to the query's dtype, as the reference does.
 
 INT4 rows hold channel j in the low nibble and channel j + D/2 in the high nibble of byte
 j, so a tile comes out as two halves ("parts"): channels `[0, D/2)` and `[D/2, D)`. The
 kernel keeps the query and the output in the same parts (dots per part, summed), so the
 nibbles never need interleaving.
-
-Integers become floats through the float32 "magic number" identity (bits of 2**23 + u
-read as a float are exactly 2**23 + u for 0 <= u < 2**23): an integer add and a float
-subtract per value, where a conversion instruction would run at a quarter of the rate,
-which at INT4's four values per byte read would cap the bandwidth.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_power_of_2
-
-_MAGIC = 0x4B000000  # float32 bits of 2**23
-_MAGIC_F = float(2**23)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +33,7 @@ class CacheFormat:
     dtype: None (float pools, read as they are), "int8", "float8_e4m3fn" or "int4".
     granularity: "tensor" (a float32 `[1]` scale per pool) or "group" (scale pages
       bfloat16 `[N, Hkv, P, G]` beside each pool, G = head_dim // group_size).
-    group_size: channels per scale ("group").
+    group_size: channels per scale ("group"); 0 when one scale covers the whole row.
     """
 
     dtype: str | None = None
@@ -49,30 +44,37 @@ class CacheFormat:
     def parts(self) -> int:
         return 2 if self.dtype == "int4" else 1
 
+    @property
+    def row_scales(self) -> bool:
+        """One scale per token row (per tensor, or groups spanning the whole row)."""
+        return self.dtype is not None and (self.granularity == "tensor" or self.group_size == 0)
 
-def _ints_to_f32(x_plus_bias, bias: int):
-    """int32 values `u = x + bias` in [0, 2**23) -> float32 x, exactly."""
-    bits = x_plus_bias + _MAGIC
-    return jax.lax.bitcast_convert_type(bits, jnp.float32) - (_MAGIC_F + bias)
+
+def _decode(raw, fmt: CacheFormat, dtype) -> list:
+    """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part."""
+    if fmt.dtype != "int4":
+        return [raw.astype(dtype)]
+    wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
+    # Two's-complement nibble n: (n ^ 8) - 8.
+    return [((((wide >> shift) & 0xF) ^ 8) - 8).astype(dtype) for shift in (0, 4)]
 
 
-def _decode(raw, fmt: CacheFormat) -> list:
-    """Stored tile `[block, Pd]` -> float32 value tiles, one per part (before scaling)."""
-    if fmt.dtype is None or fmt.dtype == "float8_e4m3fn":
-        return [raw.astype(jnp.float32)]
-    wide = raw.astype(jnp.int32)  # int8: sign-extended; int4 bytes (uint8): zero-extended
-    if fmt.dtype == "int8":
-        return [_ints_to_f32(wide + 128, 128)]
-    # Two's-complement nibble n: (n ^ 8) = n + 8 in [0, 16).
-    return [_ints_to_f32((wide & 0xF) ^ 8, 8), _ints_to_f32(((wide >> 4) & 0xF) ^ 8, 8)]
+def row_scale(scale_ref, at, t_ok):
+    """The per-row scales of `block` tokens, float32 `[block]` (`fmt.row_scales`)."""
+    if scale_ref.shape == (1,):  # per tensor
+        return jnp.full(t_ok.shape, scale_ref[0], jnp.float32)
+    pages, kvh, offsets = at
+    row = scale_ref.at[pages[:, 0], kvh, offsets[:, 0], jnp.int32(0)]
+    return plgpu.load(row, mask=t_ok, other=1).astype(jnp.float32)
 
 
 def read_kv(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype):
-    """One K or V tile of `block` tokens, dequantized: a tuple of `[block, Pd]` parts.
+    """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
+    dequantized except for row scales (`fmt.row_scales`: the caller applies `row_scale`).
 
     Args:
       ref: the pool `[N, Hkv, P, Dp]`; scale_ref: None, float32 `[1]` ("tensor") or the
-        pool's scale pages ("group").
+        pool's scale pages `[N, Hkv, P, G]` ("group").
       at: (pages `[block, 1]`, kv head, offsets `[block, 1]`): where the tokens are.
       t_ok: `[block]`, tokens to read (others read as zeros).
       head_dim: D; each part spans D / parts channels, padded to a power of two (Pd).
@@ -83,17 +85,11 @@ def read_kv(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype):
     ok = t_ok[:, None] & (dims < part_dim)[None, :]
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     raw = plgpu.load(ref.at[pages, kvh, offsets, dims[None, :]], mask=ok, other=other)
-    if fmt.dtype is None:
-        return (raw.astype(dtype),)
+    if fmt.dtype is None or fmt.row_scales:
+        return tuple(_decode(raw, fmt, dtype))
     parts = []
-    for p, values in enumerate(_decode(raw, fmt)):
-        if fmt.granularity == "tensor":
-            scale = scale_ref[0]
-        elif fmt.group_size == head_dim:  # one scale per token row
-            row = scale_ref.at[pages, kvh, offsets, jnp.int32(0)]
-            scale = plgpu.load(row, mask=t_ok[:, None], other=1)
-        else:
-            group = (p * part_dim + dims[None, :]) // fmt.group_size
-            scale = plgpu.load(scale_ref.at[pages, kvh, offsets, group], mask=ok, other=1)
+    for p, values in enumerate(_decode(raw, fmt, jnp.float32)):
+        group = (p * part_dim + dims[None, :]) // fmt.group_size
+        scale = plgpu.load(scale_ref.at[pages, kvh, offsets, group], mask=ok, other=1)
         parts.append((values * scale.astype(jnp.float32)).astype(dtype))
     return tuple(parts)

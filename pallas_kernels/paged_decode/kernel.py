@@ -31,7 +31,7 @@ from pallas_kernels.common import (
     softmax_update,
     whole_array_call,
 )
-from pallas_kernels.paged_decode.cache_read import CacheFormat, read_kv
+from pallas_kernels.paged_decode.cache_read import CacheFormat, read_kv, row_scale
 from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
@@ -114,6 +114,10 @@ def _paged_decode_kernel(
             for qp, kp in zip(q, k, strict=True)
         )
         s = s * qk_scale
+        v_scale = None
+        if fmt.row_scales:  # factored out of the tiles: scale logits and probabilities
+            s = s * row_scale(k_scale_ref, at, t_ok)[None, :]
+            v_scale = row_scale(v_scale_ref, at, t_ok)
         if has_alibi:
             dist = jnp.abs(pos - t).astype(jnp.float32)
             alibi = -slopes[:, None] * dist[None, :]
@@ -127,7 +131,8 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        return softmax_update(carry, s, lambda: read(v_ref, v_scale_ref, dtype=dtype), precision)
+        load_v = lambda: read(v_ref, v_scale_ref, dtype=dtype)  # noqa: E731
+        return softmax_update(carry, s, load_v, precision, v_scale)
 
     # This split's share of the blocks that can hold visible keys.
     lo = 0 if params.window is None else jnp.maximum(pos - params.window + 1, 0)

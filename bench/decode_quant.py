@@ -1,0 +1,115 @@
+"""Decode over quantized KV caches (INT8 / FP8 / INT4, per-tensor and per-group scales).
+
+Set `decode_quant`: B64 ctx16384 (bf16 queries, GQA 32/8, head_dim 128, page 16, pages
+scattered), the same K/V written into a bf16 cache and into each quantized format with
+`write_kv`; ours (`paged_decode`, dequantizing in-kernel) on each. Bytes read count the
+stored values plus the scales (per-group: bf16 pages beside the data); "vs bf16" is the
+speedup over the bf16 cache's time in the same run. Each output is checked against the
+reference run on the same (dequantized) cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import TOLERANCES, SetResult, Settings, bench_ours, progress
+from bench.decode import DecodeRow, _reference, _sweep
+
+ROW, SMOKE_ROW = DecodeRow(64, 16384), DecodeRow(2, 512)
+HEADS, SMOKE_HEADS = (32, 8, 128, 16), (4, 2, 32, 8)
+
+
+def formats():
+    import jaxattn
+
+    return [
+        None,
+        jaxattn.KVQuant("int8"),
+        jaxattn.KVQuant("float8_e4m3fn"),
+        jaxattn.KVQuant("int4"),
+        jaxattn.KVQuant("int8", "group"),
+        jaxattn.KVQuant("float8_e4m3fn", "group"),
+        jaxattn.KVQuant("int4", "group"),
+        jaxattn.KVQuant("int4", "group", 32),
+    ]
+
+
+def bytes_per_token_head(quant, head_dim: int) -> int:
+    """Bytes one token of one kv head occupies in K (or V): values plus scales."""
+    if quant is None:
+        return 2 * head_dim
+    scales = 2 * quant.num_groups(head_dim) if quant.granularity == "group" else 0
+    return quant.packed_dim(head_dim) * quant.storage_dtype.itemsize + scales
+
+
+def label(quant) -> str:
+    if quant is None:
+        return "bf16"
+    group = f" group {quant.group_size or 'D'}" if quant.granularity == "group" else " tensor"
+    return quant.dtype.replace("float8_e4m3fn", "fp8") + group
+
+
+def decode_quant_set(settings: Settings) -> SetResult:
+    import jaxattn
+
+    row, heads = (SMOKE_ROW, SMOKE_HEADS) if settings.smoke else (ROW, HEADS)
+    num_q_heads, num_kv_heads, head_dim, page_size = heads
+    pages_per_seq = row.context // page_size
+    num_pages = row.batch * pages_per_seq
+    keys = jax.random.split(jax.random.key(7), 3)
+    tokens = num_pages * page_size
+    k = jax.random.normal(keys[0], (tokens, num_kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[1], (tokens, num_kv_heads, head_dim), jnp.bfloat16)
+    q = jax.random.normal(keys[2], (row.batch, num_q_heads, head_dim), jnp.bfloat16)
+    tables = np.random.default_rng(7).permutation(num_pages).reshape(row.batch, -1)
+    slots = jnp.asarray(  # token t of sequence b -> its slot
+        (tables[:, :, None] * page_size + np.arange(page_size)).reshape(-1), jnp.int32
+    )
+    tables = jnp.asarray(tables, jnp.int32)
+    lengths = jnp.full((row.batch,), row.context, jnp.int32)
+    write = jax.jit(jaxattn.write_kv, donate_argnums=0)
+
+    rows, base_ms = [], None
+    for quant in formats():
+        scales = {}
+        if quant is not None and quant.granularity == "tensor":
+            k_scale, v_scale = jaxattn.calibrate_kv_scales(k, v, quant)
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
+        cache = jaxattn.PagedKVCache.create(
+            num_pages, page_size, num_kv_heads, head_dim, quant=quant, **scales
+        )
+        cache = write(cache, k, v, slots)
+        config = jaxattn.PagedDecodeConfig.heuristic(
+            row.batch, num_kv_heads, row.context, page_size, quantized=quant is not None
+        )
+        kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
+        kv_bytes *= bytes_per_token_head(quant, head_dim)
+        mine, *variants = bench_ours(
+            settings,
+            sweep=_sweep(config),
+            make_fn=lambda c: jax.jit(
+                functools.partial(jaxattn.paged_decode, implementation="pallas", config=c)
+            ),
+            config=config,
+            set_name="decode_quant", shape=f"B{row.batch} ctx{row.context} {label(quant)}",
+            ref=_reference(q, cache, tables, lengths), tol=TOLERANCES[jnp.dtype(jnp.bfloat16)],
+            work=kv_bytes, unit="TB/s", arg_sets=[(q, cache, tables, lengths)],
+            notes=f"{kv_bytes / 2**30:.2f} GiB read",
+        )  # fmt: skip
+        if mine.status == "ok":
+            base_ms = base_ms or mine.time_ms
+            mine = progress(
+                dataclasses.replace(mine, notes=f"{mine.notes}; {base_ms / mine.time_ms:.2f}x bf16")
+            )
+        rows += [mine, *variants]
+        del cache
+    description = (
+        f"bf16 queries, Hq {num_q_heads} / Hkv {num_kv_heads}, D {head_dim}, page {page_size}, "
+        "pages scattered; per-tensor scales calibrated from the K/V (amax)"
+    )
+    return SetResult("decode_quant", description, rows)
