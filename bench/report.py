@@ -81,18 +81,21 @@ def run_metadata() -> dict:
 def write_results(
     results: list[SetResult], settings: Settings, metadata: dict, section: str
 ) -> None:
-    """Appends `section` to RESULTS.md; replaces results.json and the plots."""
+    """Appends `section` to RESULTS.md; replaces this run's sets in results.json (other
+    sets, from earlier runs, stay, each with its run's metadata) and their plots."""
     results_md = BENCH_DIR / "RESULTS.md"
     if not results_md.exists():
         results_md.write_text("# Benchmark results (appended by `python -m bench.run`)\n\n")
     with results_md.open("a") as f:
         f.write(section + "\n")
-    record = {
-        **metadata,
-        "settings": dataclasses.asdict(settings),
-        "sets": [dataclasses.asdict(result) for result in results],
-    }
-    (BENCH_DIR / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    run = {**metadata, "settings": dataclasses.asdict(settings)}
+    sets = {}
+    results_json = BENCH_DIR / "results.json"
+    if results_json.exists():
+        old = json.loads(results_json.read_text())
+        sets = {s["name"]: s for s in old.get("sets", []) if "run" in s}
+    sets.update({r.name: {**dataclasses.asdict(r), "run": run} for r in results})
+    results_json.write_text(json.dumps({"sets": list(sets.values())}, indent=1) + "\n")
     for result in results:
         _plot(result, metadata, BENCH_DIR / "plots" / f"{result.name}.png")
 
