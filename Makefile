@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 GPU_PY ?= python3
+GPU_WORKERS ?= 12
 
 .PHONY: demo test test-gpu bench lint clean
 
@@ -23,7 +24,7 @@ test: $(VENV)/.installed
 # Triton compiles are CPU-bound: 8 workers share the GPU, none preallocating its memory.
 test-gpu:
 	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PY) -m pytest -q -rf --tb=line \
-		-p no:cacheprovider -n 8 tests
+		-p no:cacheprovider -n $(GPU_WORKERS) tests
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run
