@@ -128,6 +128,13 @@ def _reference(q, cache, tables, lengths, chunk: int = 8):
     ])  # fmt: skip
 
 
+def ours(config):
+    """config -> jitted `jaxattn.paged_decode(q, cache, tables, lengths)` on the kernel."""
+    import jaxattn
+
+    return jax.jit(functools.partial(jaxattn.paged_decode, implementation="pallas", config=config))
+
+
 def decode_set(settings: Settings) -> SetResult:
     from jax.experimental.pallas.ops.gpu import decode_attention, paged_attention
 
@@ -150,20 +157,14 @@ def decode_set(settings: Settings) -> SetResult:
         config = jaxattn.PagedDecodeConfig.heuristic(
             row.batch, heads[1], tables.shape[1] * heads[3], heads[3]
         )
-        measure = functools.partial(
-            bench_impl, settings, set_name="decode", shape=row.label, ref=ref,
-            tol=TOLERANCES[jnp.dtype(jnp.bfloat16)], work=kv_bytes, unit="TB/s",
-        )  # fmt: skip
-        mine, *variants = bench_ours(
-            settings,
-            sweep=_sweep(config),
-            make_fn=lambda c: jax.jit(
-                functools.partial(jaxattn.paged_decode, implementation="pallas", config=c)
-            ),
-            config=config,
+        row_args = dict(
             set_name="decode", shape=row.label, ref=ref,
             tol=TOLERANCES[jnp.dtype(jnp.bfloat16)], work=kv_bytes, unit="TB/s",
-            arg_sets=[x[:4] for x in inputs],
+        )  # fmt: skip
+        measure = functools.partial(bench_impl, settings, **row_args)
+        mine, *variants = bench_ours(
+            settings, sweep=_sweep(config), make_fn=ours, config=config,
+            arg_sets=[x[:4] for x in inputs], **row_args,
         )  # fmt: skip
         cudnn = jax.jit(
             lambda q, k, v, n: jax.nn.dot_product_attention(

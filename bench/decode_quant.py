@@ -11,14 +11,13 @@ reference run on the same (dequantized) cache.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import TOLERANCES, SetResult, Settings, bench_ours, progress
-from bench.decode import DecodeRow, _reference, _sweep
+from bench.decode import DecodeRow, _reference, _sweep, ours
 
 ROW, SMOKE_ROW = DecodeRow(64, 16384), DecodeRow(2, 512)
 HEADS, SMOKE_HEADS = (32, 8, 128, 16), (4, 2, 32, 8)
@@ -92,9 +91,7 @@ def decode_quant_set(settings: Settings) -> SetResult:
         mine, *variants = bench_ours(
             settings,
             sweep=_sweep(config),
-            make_fn=lambda c: jax.jit(
-                functools.partial(jaxattn.paged_decode, implementation="pallas", config=c)
-            ),
+            make_fn=ours,
             config=config,
             set_name="decode_quant", shape=f"B{row.batch} ctx{row.context} {label(quant)}",
             ref=_reference(q, cache, tables, lengths), tol=TOLERANCES[jnp.dtype(jnp.bfloat16)],

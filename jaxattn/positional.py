@@ -1,5 +1,5 @@
-"""Position encodings: ALiBi slopes, T5 relative-position bias, and (from `jaxattn.rope`)
-rotary position embeddings."""
+"""Position-dependent logit terms: ALiBi slopes and T5 relative-position bias (rotary
+embeddings, which act on q and k instead, are `jaxattn.rope`)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,9 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float
 
-from jaxattn.rope import (
-    ChannelTables,
-    DynamicNTKScaling,
-    LinearScaling,
-    Llama3Scaling,
-    RoPE,
-    YarnScaling,
-    apply_rope,
-)
 from pallas_kernels.common import relative_position_bucket
 
-__all__ = [
-    "ChannelTables",
-    "DynamicNTKScaling",
-    "LinearScaling",
-    "Llama3Scaling",
-    "RelativeBias",
-    "RoPE",
-    "YarnScaling",
-    "alibi_slopes",
-    "apply_rope",
-    "relative_position_bucket",
-]
+__all__ = ["RelativeBias", "alibi_slopes", "relative_position_bucket"]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import util
 
-from jaxattn.positional import (
+from jaxattn.rope import (
     DynamicNTKScaling,
     LinearScaling,
     Llama3Scaling,
