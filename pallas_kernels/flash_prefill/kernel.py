@@ -8,6 +8,11 @@ are passed as packed `[T, H, D]` views plus a table saying where each sequence's
 Work skipping: a tile visits only the key blocks some of its rows can see (causal, window,
 lengths, plus sink blocks); blocks every row sees in full run without the mask arithmetic.
 Tiles are launched heaviest first so the long causal tiles do not form the tail.
+
+Chunked context (`CachedPrefix`): a packed sequence's first `kv_len - q_len` keys may come
+from a paged KV cache instead (read through its block table, dequantized on load), and only
+its new keys from the packed `k`, `v`: key blocks split into cache-only, mixed (one block at
+most) and new-only runs, so each run loads from one place.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pallas_kernels.common import (
     whole_array_call,
 )
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+from pallas_kernels.paged_decode.cache_read import CacheFormat, read_rows, ring_position
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +62,26 @@ class Batch:
     q_rows: Int[Array, " S"] | None = None
     k_start: Int[Array, " S"] | None = None
     dense: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CachedPrefix:
+    """The cached keys of a packed batch: sequence b's positions below `kv_len[b] - q_len[b]`
+    live in pages `block_tables[b]` of the pools (positions as `ring_position` maps them).
+
+    k_pages, v_pages: `[N, Hkv, P, Dp]`, float or quantized as `fmt` says, with k_scales,
+    v_scales (float32 `[1]` per tensor, `[N, Hkv, P, G]` per group) or None.
+    block_tables: int32 `[S, M]`.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    block_tables: Int[Array, "S M"]
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+    fmt: CacheFormat = dataclasses.field(default=CacheFormat(), metadata=dict(static=True))
+    ring: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +141,7 @@ def _flash_prefill_kernel(
     head_dim: int,
     group: int,
     dense_shape: tuple[int, int, int] | None,
+    cached: tuple[CacheFormat, tuple[int, int] | None] | None,
 ):
     has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
@@ -122,6 +149,11 @@ def _flash_prefill_kernel(
     index_ref = refs.pop(0) if has_index else None
     q_ref = refs.pop(0)  # [Tq_all, Hq, D]
     k_ref, v_ref = refs.pop(0), refs.pop(0)  # [Tk_all, Hkv, D]
+    table_ref = k_pool = v_pool = k_scale = v_scale = None
+    if cached is not None:  # block tables [S, M], pools [N, Hkv, P, Dp], scales or None
+        table_ref, k_pool, v_pool = refs.pop(0), refs.pop(0), refs.pop(0)
+        if cached[0].dtype is not None:
+            k_scale, v_scale = refs.pop(0), refs.pop(0)  # [1] or [N, Hkv, P, G]
     bias_ref = refs.pop(0) if has_bias else None  # [Bb, Hb, Rq, Rk]
     mask_ref = refs.pop(0) if has_mask else None  # [Bm, Hm, Rq, Rk]
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
@@ -220,9 +252,11 @@ def _flash_prefill_kernel(
             visible = allowed if visible is None else visible & allowed
         return s if visible is None else jnp.where(visible, s, MASK_VALUE)
 
-    def body(masked, block, carry):
-        k0 = block * block_kv
-        kv_rows = pl.ds(k_start + k0, block_kv)
+    # Keys below `prefix` come from the cache (none without one); new keys are packed
+    # rows `k_start + (position - prefix)`.
+    prefix = 0 if cached is None else kv_len - q_len
+
+    def load_new(ref, k0, masked):  # [block_kv, Dp]: keys k0.. of the packed rows
         if masked:  # Keys past kv_len belong to another sequence or to nothing.
             kv_ok = ((k0 + jnp.arange(block_kv)) < kv_len)[:, None] & dim_ok
         elif padded_dim != head_dim:
@@ -230,10 +264,51 @@ def _flash_prefill_kernel(
         else:
             kv_ok = None
         other = None if kv_ok is None else 0.0
-        k = plgpu.load(k_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # [block_kv, Dp]
+        rows = pl.ds(k_start - prefix + k0, block_kv)
+        return plgpu.load(ref.at[rows, kvh, dims], mask=kv_ok, other=other)
+
+    def load_kv(ref, pool, scale, k0, masked, source):  # source: "new", "cache" or "both"
+        if source == "new":
+            return load_new(ref, k0, masked)
+        t = k0 + jnp.arange(block_kv)
+        in_cache = t < prefix
+        stored_at = ring_position(t, cached[1])
+        page_size, max_pages = pool.shape[2], table_ref.shape[1]
+        col = stored_at // page_size
+        pages = plgpu.load(table_ref.at[seq, col], mask=in_cache & (col < max_pages), other=0)
+        pages = jnp.clip(pages, 0, pool.shape[0] - 1)  # a corrupt table never reads off the pool
+        at = (pages[:, None], kvh, (stored_at % page_size)[:, None])
+        # Blocks inside the prefix need no row mask (so the loads vectorize).
+        rows_ok = None if source == "cache" else in_cache
+        tile = read_rows(pool, scale, cached[0], at, rows_ok, head_dim, q_ref.dtype)
+        if source == "cache":
+            return tile
+        fresh_ok = (t >= prefix) & (t < kv_len)
+        rows = (k_start - prefix + t)[:, None]
+        cols = jnp.arange(padded_dim)[None, :]
+        fresh = plgpu.load(ref.at[rows, kvh, cols], mask=fresh_ok[:, None] & dim_ok, other=0.0)
+        return jnp.where(in_cache[:, None], tile, fresh)
+
+    def body(masked, source, block, carry):
+        k0 = block * block_kv
+        k = load_kv(k_ref, k_pool, k_scale, k0, masked, source)  # [block_kv, Dp]
         s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
-        load_v = lambda: plgpu.load(v_ref.at[kv_rows, kvh, dims], mask=kv_ok, other=other)  # noqa: E731
+        load_v = lambda: load_kv(v_ref, v_pool, v_scale, k0, masked, source)  # noqa: E731
         return softmax_update(carry, s, load_v, precision)
+
+    def run(lo, hi, masked, carry):
+        """Key blocks [lo, hi), each loaded from where its keys are."""
+        if cached is None:
+            return jax.lax.fori_loop(lo, hi, functools.partial(body, masked, "new"), carry)
+        cache_end, new_start = prefix // block_kv, pl.cdiv(prefix, block_kv)
+        for source, start, end in (
+            ("cache", lo, jnp.minimum(hi, cache_end)),
+            ("both", jnp.maximum(lo, cache_end), jnp.minimum(hi, new_start)),
+            ("new", jnp.maximum(lo, new_start), hi),
+        ):
+            step = functools.partial(body, masked, source)
+            carry = jax.lax.fori_loop(start, jnp.maximum(start, end), step, carry)
+        return carry
 
     # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
     # what every valid row sees, so blocks inside it skip the mask.
@@ -263,10 +338,10 @@ def _flash_prefill_kernel(
     carry = softmax_init(block_q, padded_dim)
     if params.window is not None and params.sink_tokens:
         sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, hi), block_kv), lo_b)
-        carry = jax.lax.fori_loop(0, sink_b, functools.partial(body, True), carry)
-    carry = jax.lax.fori_loop(lo_b, full_lo_b, functools.partial(body, True), carry)
-    carry = jax.lax.fori_loop(full_lo_b, full_hi_b, functools.partial(body, False), carry)
-    carry = jax.lax.fori_loop(full_hi_b, hi_b, functools.partial(body, True), carry)
+        carry = run(0, sink_b, True, carry)
+    carry = run(lo_b, full_lo_b, True, carry)
+    carry = run(full_lo_b, full_hi_b, False, carry)
+    carry = run(full_hi_b, hi_b, True, carry)
     out, lse = softmax_finish(carry, row_ok=rows < q_len)
     plgpu.store(
         o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
@@ -284,6 +359,7 @@ def flash_prefill(
     v,
     batch: Batch,
     *,
+    cached: CachedPrefix | None = None,
     bias=None,
     mask=None,
     alibi_slopes=None,
@@ -299,6 +375,9 @@ def flash_prefill(
       q: dense `[B, Tq, Hq, D]` or packed `[Tq_all, Hq, D]`; k, v: `[B, Tk, Hkv, D]` or
         `[Tk_all, Hkv, D]`; one float dtype.
       batch: lengths (dense) or placement (packed) of the sequences (`Batch`).
+      cached: packed batches only: where the first `kv_len - q_len` keys of each sequence
+        are cached (`CachedPrefix`); `k`, `v` then hold only the new keys, at the same
+        rows as the queries (`k_start = q_start`).
       bias: float `[Bb, Hb, Rq, Rk]`, each axis full or 1; mask: bool, same form. Indexed
         by sequence, head, and row/column within the sequence (dense) or in packed
         coordinates (packed, `Bb == 1`).
@@ -327,9 +406,20 @@ def flash_prefill(
         num_tiles = (q.shape[0] + num_seqs * (block_q - 1)) // block_q
         index = _packed_tile_table(batch, block_q, num_tiles, params)
 
+    pools, cache_layout = [], None
+    if cached is not None:
+        if batch.dense:
+            raise ValueError("flash_prefill: a cached prefix needs a packed batch")
+        pools = [cached.block_tables.astype(jnp.int32), cached.k_pages, cached.v_pages]
+        if cached.fmt.dtype is not None:
+            scales = (cached.k_scales, cached.v_scales)
+            if cached.fmt.granularity == "tensor":
+                scales = tuple(jnp.reshape(x, (1,)).astype(jnp.float32) for x in scales)
+            pools += scales
+        cache_layout = (cached.fmt, cached.ring)
     optional = [bias, mask, alibi_slopes, rel_table]
     has = tuple(x is not None for x in [index, *optional]) + (return_lse,)
-    inputs = [x for x in [index, q, k, v, *optional] if x is not None]
+    inputs = [x for x in [index, q, k, v, *pools, *optional] if x is not None]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
@@ -343,6 +433,7 @@ def flash_prefill(
         head_dim=head_dim,
         group=num_q_heads // num_kv_heads,
         dense_shape=dense_shape,
+        cached=cache_layout,
     )
     outs = whole_array_call(
         kernel,

@@ -50,6 +50,16 @@ class CacheFormat:
         return self.dtype is not None and (self.granularity == "tensor" or self.group_size == 0)
 
 
+def ring_position(t, ring: tuple[int, int] | None):
+    """Where position `t` (int array, >= 0) is stored in a sequence's pages: `t` itself, or
+    in a cyclic cache `ring = (kept, size)`: positions below `kept` (sink tokens) stay put,
+    later ones cycle through the next `size` places (`jaxattn.manager`, window caches)."""
+    if ring is None:
+        return t
+    kept, size = ring
+    return jnp.where(t < kept, t, kept + (jnp.maximum(t - kept, 0) % size))
+
+
 def _decode(raw, fmt: CacheFormat, dtype) -> list:
     """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part."""
     if fmt.dtype != "int4":
@@ -93,3 +103,41 @@ def read_kv(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype):
         scale = plgpu.load(scale_ref.at[pages, kvh, offsets, group], mask=ok, other=1)
         parts.append((values * scale.astype(jnp.float32)).astype(dtype))
     return tuple(parts)
+
+
+def read_rows(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype):
+    """One K or V tile `[block, Dp]` of `dtype` in natural channel order, fully dequantized
+    (scales applied per element): for kernels whose tile mixes cached and fresh rows.
+
+    Arguments as `read_kv`, except `t_ok` may be None: every row is read. Dp = D padded to
+    a power of two (columns past D read as 0). Without a mask (t_ok None and D a power of
+    two) the loads vectorize along D. INT4 reads each byte twice (for channel j and
+    j + D/2) and picks the nibble, so the tile needs no interleaving.
+    """
+    pages, kvh, offsets = at
+    dims = jnp.arange(next_power_of_2(head_dim))
+    ok = None
+    if t_ok is not None:
+        ok = t_ok[:, None]
+    if len(dims) != head_dim:
+        ok = (dims < head_dim)[None, :] if ok is None else ok & (dims < head_dim)[None, :]
+    if ok is not None:
+        ok = jnp.broadcast_to(ok, (pages.shape[0], len(dims)))
+
+    def load(x_ref, cols, other):
+        return plgpu.load(x_ref.at[pages, kvh, offsets, cols[None, :]], mask=ok,
+                          other=None if ok is None else other)  # fmt: skip
+
+    if fmt.dtype is None:
+        return load(ref, dims, 0.0).astype(dtype)
+    if fmt.dtype == "int4":
+        half = head_dim // 2
+        shift = jnp.where(dims >= half, 4, 0)[None, :]
+        raw = load(ref, dims % half, 0).astype(jnp.int32)
+        values = ((((raw >> shift) & 0xF) ^ 8) - 8).astype(jnp.float32)
+    else:
+        values = load(ref, dims, 0 if fmt.dtype == "int8" else 0.0).astype(jnp.float32)
+    if scale_ref.shape == (1,):  # per tensor
+        return (values * scale_ref[0]).astype(dtype)
+    group = dims // fmt.group_size if fmt.group_size else jnp.zeros_like(dims)
+    return (values * load(scale_ref, group, 1).astype(jnp.float32)).astype(dtype)
