@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from jaxattn.quant import KVQuant, dequantize, group_scales, quantize
 
-__all__ = ["PagedKVCache", "gather_kv", "write_kv"]
+__all__ = ["PagedKVCache", "copy_pages", "gather_kv", "stored_values", "write_kv"]
 
 
 def _tensor_scale(name: str, value) -> jax.Array:
@@ -188,6 +188,23 @@ def _encode(cache: PagedKVCache, x, scales):
     return quantize(x, token_scales, quant), token_scales
 
 
+def stored_values(
+    cache: PagedKVCache, k: Float[Array, "T Hkv D"], v: Float[Array, "T Hkv D"], dtype
+) -> tuple[Float[Array, "T Hkv D"], Float[Array, "T Hkv D"]]:
+    """The values `write_kv(cache, k, v, ...)` stores, as a later read returns them in
+    `dtype` (quantized and dequantized; unquantized: cast to the pools' dtype): what
+    attention sees of new tokens without reading them back from the pages."""
+
+    def round_trip(x, scales):
+        stored, token_scales = _encode(cache, x, scales)
+        if cache.quant is None:
+            return stored.astype(dtype)
+        scales = scales if token_scales is None else token_scales
+        return dequantize(stored, scales, cache.quant, jnp.float32).astype(dtype)
+
+    return round_trip(k, cache.k_scales), round_trip(v, cache.v_scales)
+
+
 def write_kv(
     cache: PagedKVCache,
     k: Float[Array, "T Hkv D"],
@@ -236,6 +253,46 @@ def write_kv(
     k_pages, k_scales = write(cache.k_pages, cache.k_scales, k)
     v_pages, v_scales = write(cache.v_pages, cache.v_scales, v)
     return PagedKVCache(k_pages, v_pages, k_scales, v_scales, quant=cache.quant)
+
+
+def copy_pages(
+    cache: PagedKVCache, src_pages: Int[Array, " N"], dst_pages: Int[Array, " N"]
+) -> PagedKVCache:
+    """Copies whole page `src_pages[i]` onto page `dst_pages[i]` (K, V and, per group,
+    their scale pages); a pair with an entry < 0 is skipped.
+
+    The copy-on-write step of beam search: `KVCacheManager.fork` returns the pairs. Every
+    pair reads the pages as they were before the call; destinations must be distinct.
+    Returns a new cache; in place under `jax.jit(copy_pages, donate_argnums=0)`.
+    """
+    cache.check()
+    src_pages, dst_pages = jnp.asarray(src_pages), jnp.asarray(dst_pages)
+    if (
+        src_pages.ndim != 1
+        or src_pages.shape != dst_pages.shape
+        or not jnp.issubdtype(src_pages.dtype, jnp.integer)
+        or not jnp.issubdtype(dst_pages.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"copy_pages: {src_pages.shape=} {src_pages.dtype}, {dst_pages.shape=} "
+            f"{dst_pages.dtype}: expected two int vectors [N] of one length"
+        )
+    n = cache.num_pages
+    skip = (src_pages < 0) | (dst_pages < 0)
+    src = jnp.clip(src_pages, 0, n - 1)
+    dst = jnp.where(skip, n, dst_pages)  # past the pool: dropped
+
+    def copy(pool):  # [N, ...]
+        return pool.at[dst].set(pool[src], mode="drop")
+
+    group = cache.quant is not None and cache.quant.granularity == "group"
+    scales = (cache.k_scales, cache.v_scales)
+    return PagedKVCache(
+        copy(cache.k_pages),
+        copy(cache.v_pages),
+        *(tuple(map(copy, scales)) if group else scales),
+        quant=cache.quant,
+    )
 
 
 def gather_kv(

@@ -25,7 +25,16 @@ __all__ = ["contiguous_kv_cache", "paged_decode", "validate_page_table"]
 
 
 def _check(
-    q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale
+    q,
+    cache,
+    block_tables,
+    context_lens,
+    cache_indirection,
+    alibi_slopes,
+    window,
+    sink_tokens,
+    soft_cap,
+    scale,
 ):
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a jaxattn.PagedKVCache, got {type(cache)}")
@@ -48,6 +57,15 @@ def _check(
     if not np.issubdtype(block_tables.dtype, np.integer):
         raise ValueError(f"{block_tables.dtype=}: expected an integer dtype")
     validation.check_int_vector("context_lens", context_lens, batch)
+    if cache_indirection is not None:
+        shape = cache_indirection.shape
+        if len(shape) != 3 or shape[0] * shape[1] != batch or shape[2] < 1:
+            raise ValueError(
+                f"cache_indirection.shape={shape} and {q.shape=}: expected "
+                "[B // beam_width, beam_width, max_len] with max_len >= 1"
+            )
+        if not np.issubdtype(cache_indirection.dtype, np.integer):
+            raise ValueError(f"cache_indirection.dtype={cache_indirection.dtype}: expected int")
     validation.check_options(
         num_q_heads=num_q_heads,
         window=window,
@@ -73,6 +91,7 @@ def paged_decode(
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: PagedDecodeConfig | None = None,
+    cache_indirection: Int[Array, "Bw W L"] | None = None,
 ):
     """One new query token per sequence attends to its cached history.
 
@@ -91,12 +110,39 @@ def paged_decode(
       implementation: "pallas", "xla", a list tried in order, or None (pallas on GPU).
       config: a `PagedDecodeConfig` (block size, split-K count); None: the heuristic,
         which splits the context when `B * Hkv` programs cannot fill the GPU.
+      cache_indirection: None, or int32 `[B // W, W, L]`: beam search with W beams per
+        request, TensorRT-LLM's input of that name. Batch rows are ordered (request,
+        beam): row `r = b * W + j`. Token t of row r is read from row
+        `b * W + cache_indirection[b, j, t]` (clamped into the request's W rows), through
+        that row's block table; tokens t >= L are read from row r itself. Lengths,
+        positions and masks stay row r's own. Reordering beams then copies no K/V.
 
     Returns:
       out `[B, Hq, D]` (and lse with `return_lse`). Page ids and lengths are trusted:
       check them with `validate_page_table` while debugging.
+
+    Cache indirection, a worked example: one request, W = 2 beams, P = 2, 5 tokens.
+
+        block_tables = [[0, 1, 2],   # row 0 (beam 0): tokens 0-1 in page 0, 2-3 page 1, 4 page 2
+                        [3, 4, 5]]   # row 1 (beam 1)
+        cache_indirection = [[[0, 0, 0, 1, 0],    # beam 0 reads token 3 from beam 1
+                              [0, 0, 1, 0, 1]]]   # beam 1 reads tokens 0, 1, 3 from beam 0
+
+    Row 0 reads its tokens from slots 0, 1, 2, 9 (row 1's page 4, offset 1), 4; row 1
+    from slots 0, 1, 8, 3, 10.
     """
-    _check(q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale)
+    _check(
+        q,
+        cache,
+        block_tables,
+        context_lens,
+        cache_indirection,
+        alibi_slopes,
+        window,
+        sink_tokens,
+        soft_cap,
+        scale,
+    )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     def run(impl):
@@ -112,6 +158,7 @@ def paged_decode(
                 soft_cap=soft_cap,
                 scale=scale,
                 return_lse=True,
+                cache_indirection=cache_indirection,
             )
         else:
             out, lse = _pallas(
@@ -119,6 +166,7 @@ def paged_decode(
                 cache,
                 block_tables,
                 context_lens,
+                cache_indirection,
                 alibi_slopes,
                 window,
                 sink_tokens,
@@ -132,7 +180,17 @@ def paged_decode(
 
 
 def _pallas(
-    q, cache, block_tables, context_lens, alibi_slopes, window, sink_tokens, soft_cap, scale, config
+    q,
+    cache,
+    block_tables,
+    context_lens,
+    cache_indirection,
+    alibi_slopes,
+    window,
+    sink_tokens,
+    soft_cap,
+    scale,
+    config,
 ):
     if config is None:
         config = PagedDecodeConfig.heuristic(
@@ -162,6 +220,7 @@ def _pallas(
         k_scales=cache.k_scales,
         v_scales=cache.v_scales,
         alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+        cache_indirection=cache_indirection,
         params=params,
         config=config,
         fmt=fmt,

@@ -10,8 +10,7 @@ State (arrays are pytree leaves; `page_size` is static):
                 held pages first, then -1.
   lengths       int32 `[max_seqs]`: tokens sequence s holds; it holds ceil(length / P) pages.
   refcounts     int32 `[N]`: how many block-table entries point at each page; a page is
-                free iff its count is 0. Counts (not an owner id) so that beams can later
-                share pages (fork, copy-on-write) without changing the representation.
+                free iff its count is 0. Counts, not an owner id: beams share pages.
 
 Allocation is deterministic: the pages a `reserve` needs are the lowest free page ids, handed
 to the sequences in increasing seq id order, each sequence's new pages in table order.
@@ -45,6 +44,17 @@ Worked example (FlashInfer-style), P = 4, 8 pages, 3 sequence rows:
     >>> mgr2, ok = mgr.reserve(jnp.array([0, 2]), jnp.array([12, 12]))  # needs 3 + 2 > 4
     >>> bool(ok), mgr2.block_tables.tolist() == mgr.block_tables.tolist()
     (False, True)
+
+Beam search (`fork`): a forked row shares its source's full pages (counts > 1) and gets
+a copy of a partly filled last page, so every row owns the page it writes next. Pages are
+only ever appended (`reserve`), so no row writes into a shared page; a shared page is
+free once its last holder is released.
+
+    >>> mgr, copy_src, copy_dst, ok = mgr.fork(jnp.array([1, 1]), jnp.array([0, -1]))
+    >>> bool(ok), mgr.block_tables.tolist(), mgr.refcounts.tolist()
+    (True, [[0, 1, 4], [0, 1, 3], [2, -1, -1]], [2, 2, 1, 1, 1, 0, 0, 0])
+    >>> copy_src.tolist(), copy_dst.tolist()  # copy page 3 (token 8) into page 4
+    ([3, -1], [4, -1])
 
 In a serving loop (plan once per step, reuse in every layer):
 
@@ -102,18 +112,41 @@ class KVCacheManager:
         written yet).
       refcounts: int32 `[N]`; block-table entries pointing at each page; 0 = free.
       page_size: P, tokens per page (static).
+      window, sink_tokens: static; with a window the cache is cyclic (`ring`).
+
+    Cyclic (sliding-window) caches: with `window=W` and `sink_tokens=S`, attention never
+    reads a position below `p - W` other than the first S, so a row needs only its
+    `M = max_pages_per_seq` pages however long the sequence grows: positions below S stay
+    where they are (StreamingLLM's sinks), later ones cycle through the remaining
+    `M * P - S` slots (`ring`), each new token overwriting the oldest. `window_pages(W, S,
+    P) = ceil((W + S) / P) + 1` pages are enough for the decode kernel, which reads after
+    the write; `paged_attention` reads a context chunk's prefix before its write, so long
+    chunks fit too. Lengths keep counting positions; `slot_mapping` maps them into the ring.
     """
 
     block_tables: Int[Array, "max_seqs max_pages_per_seq"]
     lengths: Int[Array, " max_seqs"]
     refcounts: Int[Array, " N"]
     page_size: int = dataclasses.field(metadata=dict(static=True))
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    sink_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @classmethod
     def create(
-        cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int
+        cls,
+        num_pages: int,
+        page_size: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        *,
+        window: int | None = None,
+        sink_tokens: int = 0,
     ) -> KVCacheManager:
-        """An empty manager: every page free, every sequence of length 0."""
+        """An empty manager: every page free, every sequence of length 0.
+
+        window, sink_tokens: a cyclic cache for attention with that window and sinks;
+        `max_pages_per_seq` must be at least `window_pages(window, sink_tokens, page_size)`.
+        """
         sizes = dict(
             num_pages=num_pages,
             page_size=page_size,
@@ -129,12 +162,32 @@ class KVCacheManager:
                 f"KVCacheManager.create: {num_pages=}, {max_pages_per_seq=}, {page_size=}: "
                 "slots and positions must fit in int32"
             )
+        if window is not None:
+            need = cls.window_pages(window, sink_tokens, page_size)
+            if max_pages_per_seq < need:
+                raise ValueError(
+                    f"KVCacheManager.create: {max_pages_per_seq=} < {need} pages, what a "
+                    f"cyclic cache with {window=}, {sink_tokens=}, {page_size=} needs"
+                )
+        elif sink_tokens:
+            raise ValueError(f"KVCacheManager.create: {sink_tokens=} needs a window")
         return cls(
             block_tables=jnp.full((max_seqs, max_pages_per_seq), -1, jnp.int32),
             lengths=jnp.zeros((max_seqs,), jnp.int32),
             refcounts=jnp.zeros((num_pages,), jnp.int32),
             page_size=int(page_size),
+            window=None if window is None else int(window),
+            sink_tokens=int(sink_tokens),
         )
+
+    @staticmethod
+    def window_pages(window: int, sink_tokens: int, page_size: int) -> int:
+        """Pages per sequence of a cyclic cache: `ceil((window + sink_tokens) / P) + 1`."""
+        if int(window) != window or window < 1 or int(sink_tokens) != sink_tokens:
+            raise ValueError(f"{window=} must be a positive int, {sink_tokens=} an int")
+        if sink_tokens < 0:
+            raise ValueError(f"{sink_tokens=} must be >= 0")
+        return -(-(window + sink_tokens) // page_size) + 1
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -148,6 +201,20 @@ class KVCacheManager:
     @property
     def max_pages_per_seq(self) -> int:
         return self.block_tables.shape[1]
+
+    @property
+    def ring(self) -> tuple[int, int] | None:
+        """`(kept, size)` of a cyclic cache, None otherwise: position t is stored at
+        t if t < kept, else at `kept + (t - kept) % size` (slot order within the row's
+        pages: column `stored // P`, offset `stored % P`)."""
+        if self.window is None:
+            return None
+        return self.sink_tokens, self.max_pages_per_seq * self.page_size - self.sink_tokens
+
+    def _pages_for(self, lengths: jax.Array) -> jax.Array:
+        """Pages a row of `lengths` tokens holds (a cyclic row stops at its table's width)."""
+        pages = _num_pages_for(lengths, self.page_size)
+        return pages if self.ring is None else jnp.minimum(pages, self.max_pages_per_seq)
 
     @property
     def num_free_pages(self) -> Int[Array, ""]:
@@ -176,17 +243,21 @@ class KVCacheManager:
           sequence would need more than `max_pages_per_seq` pages, or an id is
           >= `max_seqs`, ok is False and the manager is returned unchanged (every array
           bit-identical). New pages are the lowest free page ids, given out in seq id order.
+
+        Held pages are kept and new ones appended, never replaced. So the positions a grown
+        sequence writes next (from its old length on) lie in its partly filled last page,
+        which is its own (`fork` copies it), or in new pages: never in a page it shares.
         """
         seq_ids = _int_vector("reserve", "seq_ids", seq_ids)
         lengths = _int_vector("reserve", "lengths", lengths, seq_ids.shape[0])
-        P, S, M = self.page_size, self.max_seqs, self.max_pages_per_seq
+        S, M = self.max_seqs, self.max_pages_per_seq
 
         live = seq_ids >= 0
         ids_ok = jnp.all(seq_ids < S)
         # Duplicates: scatter-max keeps the largest requested length per row.
         rows = jnp.where(live, seq_ids, S)  # padding rows land out of bounds: dropped
         target = self.lengths.at[rows].max(lengths, mode="drop")
-        want_pages = _num_pages_for(target, P)  # [S]
+        want_pages = self._pages_for(target)  # [S]
         held = self.pages_held  # [S]
         fits = jnp.all(want_pages <= M)
         need = jnp.clip(want_pages - held, 0, M)  # [S]; clipped so the sum cannot overflow
@@ -215,17 +286,18 @@ class KVCacheManager:
         def pick(new, old):
             return jnp.where(ok, new, old)
 
-        grown = KVCacheManager(
+        grown = dataclasses.replace(
+            self,
             block_tables=pick(tables, self.block_tables),
             lengths=pick(target, self.lengths),
             refcounts=pick(refcounts, self.refcounts),
-            page_size=P,
         )
         return grown, ok
 
     def release(self, seq_ids: Int[Array, " B"]) -> KVCacheManager:
         """Frees sequences `seq_ids` (int `[B]`): their pages' counts drop by one (a page
-        is free at 0), their table rows become -1, their lengths 0. Ids < 0 (padding) and
+        is free at 0: a page shared by forked rows is free once its last holder is
+        released), their table rows become -1, their lengths 0. Ids < 0 (padding) and
         >= `max_seqs` are ignored; an id given twice is released once."""
         seq_ids = _int_vector("release", "seq_ids", seq_ids)
         S, N = self.max_seqs, self.num_pages
@@ -233,12 +305,73 @@ class KVCacheManager:
         gone = jnp.zeros((S,), bool).at[rows].set(True, mode="drop")  # [S]
         refs = jnp.where(gone[:, None] & (self.block_tables >= 0), self.block_tables, N)
         drops = jnp.zeros((N,), jnp.int32).at[refs.ravel()].add(1, mode="drop")
-        return KVCacheManager(
+        return dataclasses.replace(
+            self,
             block_tables=jnp.where(gone[:, None], -1, self.block_tables),
             lengths=jnp.where(gone, 0, self.lengths),
             refcounts=self.refcounts - drops,
-            page_size=self.page_size,
         )
+
+    def fork(
+        self, src_ids: Int[Array, " B"], dst_ids: Int[Array, " B"]
+    ) -> tuple[KVCacheManager, Int[Array, " B"], Int[Array, " B"], Bool[Array, ""]]:
+        """Row `dst_ids[b]` becomes a copy of row `src_ids[b]` (beam search); all or nothing.
+
+        The copy has the source's length and shares its full pages (each page's count goes
+        up by one). A partly filled last page is not shared: the copy gets a fresh page for
+        it (copy-on-write, done at fork time so every row owns the page it writes next), and
+        the caller copies its contents with `jaxattn.copy_pages(cache, copy_src, copy_dst)`.
+        Fresh pages are the lowest free page ids, given out in pair order. A source may fork
+        to several destinations (beam width k: k - 1 pairs); every pair reads the rows as
+        they were before the call.
+
+        Args:
+          src_ids, dst_ids: int `[B]`; a pair with an id < 0 is padding (ignored).
+
+        Returns:
+          `(manager, copy_src, copy_dst, ok)`: copy_src, copy_dst int32 `[B]`, the page to
+          copy and where to, for pair b; -1 where nothing is to copy. ok is a bool scalar:
+          False when a destination is not empty (length 0), appears twice, an id is
+          >= `max_seqs`, or the pool has too few free pages; then the manager is returned
+          unchanged (every array bit-identical) and both copy vectors are all -1.
+        """
+        if self.ring is not None:
+            raise NotImplementedError("fork: cyclic (window) caches cannot fork yet")
+        src_ids = _int_vector("fork", "src_ids", src_ids)
+        dst_ids = _int_vector("fork", "dst_ids", dst_ids, src_ids.shape[0])
+        P, S, N, M = self.page_size, self.max_seqs, self.num_pages, self.max_pages_per_seq
+
+        live = (src_ids >= 0) & (dst_ids >= 0)
+        src, dst = jnp.clip(src_ids, 0, S - 1), jnp.where(live, dst_ids, S)
+        dst_uses = jnp.zeros((S,), jnp.int32).at[dst].add(1, mode="drop")
+        length = jnp.where(live, self.lengths[src], 0)  # [B]
+        full = length // P  # shared pages of each copy
+        cow = live & (length % P > 0)  # [B]: the last page is copied
+        fresh = jnp.nonzero(self.refcounts == 0, size=src_ids.shape[0], fill_value=-1)[0]
+        fresh = jnp.where(cow, fresh[jnp.cumsum(cow) - 1], -1)  # the k-th copy: k-th free
+        ok = (
+            jnp.all(~live | ((src_ids < S) & (dst_ids < S)))
+            & jnp.all(dst_uses <= 1)
+            & jnp.all((self.lengths[jnp.minimum(dst, S - 1)] == 0) | ~live)
+            & (jnp.sum(cow) <= self.num_free_pages)
+        )
+
+        col = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M]
+        rows = self.block_tables[src]  # [B, M]
+        shared = col < full[:, None]
+        rows = jnp.where(shared, rows, jnp.where(col == full[:, None], fresh[:, None], -1))
+        refs = jnp.where(shared, rows, N)
+        refcounts = self.refcounts.at[refs.ravel()].add(1, mode="drop")
+        refcounts = refcounts.at[jnp.where(cow, fresh, N)].set(1, mode="drop")
+        forked = dataclasses.replace(
+            self,
+            block_tables=self.block_tables.at[dst].set(rows, mode="drop"),
+            lengths=self.lengths.at[dst].set(length, mode="drop"),
+            refcounts=refcounts,
+        )
+        forked = jax.tree.map(lambda new, old: jnp.where(ok, new, old), forked, self)
+        partial = self.block_tables[src, jnp.minimum(full, M - 1)]  # [B] source's last page
+        return forked, jnp.where(ok & cow, partial, -1), jnp.where(ok & cow, fresh, -1), ok
 
     def slot_mapping(
         self, seq_ids: Int[Array, " T"], positions: Int[Array, " T"]
@@ -248,23 +381,25 @@ class KVCacheManager:
         Returns int32 `[T]`: `block_tables[s, pos // P] * P + pos % P`, or -1 where the id
         is padding (< 0) or >= `max_seqs`, the position is < 0 or >= `lengths[s]`, or the
         sequence has no page there: never a slot of a page the sequence does not hold.
+        A cyclic cache maps `pos` into its ring first (`ring`), and gives -1 to positions
+        the ring no longer holds (below `lengths[s] - size`, sinks excepted).
         Reserve first, then map the new tokens' positions.
         """
         seq_ids = _int_vector("slot_mapping", "seq_ids", seq_ids)
         positions = _int_vector("slot_mapping", "positions", positions, seq_ids.shape[0])
         P, S, M = self.page_size, self.max_seqs, self.max_pages_per_seq
         row = jnp.clip(seq_ids, 0, S - 1)
-        col = positions // P
+        stored = positions
+        valid = (seq_ids >= 0) & (seq_ids < S) & (positions >= 0)
+        valid &= positions < self.lengths[row]
+        if self.ring is not None:
+            kept, size = self.ring
+            stored = jnp.where(positions < kept, positions, kept + (positions - kept) % size)
+            valid &= (positions < kept) | (positions >= self.lengths[row] - size)
+        col = stored // P
         page = self.block_tables[row, jnp.clip(col, 0, M - 1)]
-        valid = (
-            (seq_ids >= 0)
-            & (seq_ids < S)
-            & (positions >= 0)
-            & (positions < self.lengths[row])
-            & (col < M)
-            & (page >= 0)
-        )
-        return jnp.where(valid, page * P + positions % P, -1).astype(jnp.int32)
+        valid &= (col < M) & (page >= 0)
+        return jnp.where(valid, page * P + stored % P, -1).astype(jnp.int32)
 
     # ------------------------------------------------------------------ debugging
     def check(self) -> dict[str, Bool[Array, ""]]:
@@ -277,7 +412,10 @@ class KVCacheManager:
         distinct_in_row: no page appears twice in one sequence.
         refcounts_match_tables: each page's count equals the table entries pointing at it
           (so free + used = total and no free page is in a table).
-        exclusive: no page is shared (count <= 1); true until sequences fork.
+        partial_pages_exclusive: a row's partly filled last page (the one it writes next)
+          is its own (count 1): `fork` shares full pages only.
+        exclusive: no page is shared (count <= 1). Informational, not part of "ok": it
+          turns False when `fork` shares pages between beams.
         """
         P, N, M = self.page_size, self.num_pages, self.max_pages_per_seq
         t = self.block_tables
@@ -287,14 +425,21 @@ class KVCacheManager:
         same = (t[:, :, None] == t[:, None, :]) & (t[:, :, None] >= 0)  # [S, M, M]
         checks = dict(
             ids_in_range=jnp.all((t >= -1) & (t < N)),
-            lengths_in_range=jnp.all((self.lengths >= 0) & (self.lengths <= M * P)),
+            lengths_in_range=jnp.all(
+                (self.lengths >= 0) & ((self.lengths <= M * P) | (self.ring is not None))
+            ),
             held_prefix=jnp.all((t >= 0) == (col < held[:, None])),
-            held_matches_lengths=jnp.all(held == _num_pages_for(self.lengths, P)),
+            held_matches_lengths=jnp.all(held == self._pages_for(self.lengths)),
             distinct_in_row=jnp.sum(same) == jnp.sum(t >= 0),
             refcounts_match_tables=jnp.all(refs == self.refcounts),
-            exclusive=jnp.all(self.refcounts <= 1),
+        )
+        last = t[jnp.arange(t.shape[0]), jnp.maximum(held - 1, 0)]  # [S]
+        partial = (self.lengths % P > 0) & (last >= 0)
+        checks["partial_pages_exclusive"] = jnp.all(
+            ~partial | (self.refcounts[jnp.clip(last, 0, N - 1)] == 1)
         )
         checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
+        checks["exclusive"] = jnp.all(self.refcounts <= 1)
         return checks
 
 

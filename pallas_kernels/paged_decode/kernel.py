@@ -31,7 +31,7 @@ from pallas_kernels.common import (
     softmax_update,
     whole_array_call,
 )
-from pallas_kernels.paged_decode.cache_read import CacheFormat, read_kv, row_scale
+from pallas_kernels.paged_decode.cache_read import CacheFormat, read_kv, ring_position, row_scale
 from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
@@ -47,6 +47,7 @@ class DecodeParams:
     sink_tokens: int = 0
     soft_cap: float | None = None
     scale: float = 1.0
+    ring: tuple[int, int] | None = None  # a cyclic cache's (kept, size): cache_read
 
 
 def _paged_decode_kernel(
@@ -59,6 +60,7 @@ def _paged_decode_kernel(
     params: DecodeParams,
     fmt: CacheFormat,
     has_alibi: bool,
+    has_indirection: bool,
     split_out: bool,
     group: int,
     rows: int,
@@ -71,6 +73,7 @@ def _paged_decode_kernel(
     if fmt.dtype is not None:  # "tensor": [1] each; "group": [N, Hkv, P, G] each
         k_scale_ref, v_scale_ref = refs.pop(0), refs.pop(0)
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
+    ind_ref = refs.pop(0) if has_indirection else None  # [B // W, W, L] int32
     o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -103,10 +106,17 @@ def _paged_decode_kernel(
     def body(block, carry):
         t = block * block_kv + jnp.arange(block_kv)  # [block_kv] token positions
         t_ok = (t >= 0) & (t < ctx)
-        col = t // page_size
-        pages = plgpu.load(table_ref.at[b, col], mask=t_ok & (col < max_pages), other=0)
+        stored_at = ring_position(t, params.ring)
+        col = stored_at // page_size
+        row = b
+        if has_indirection:  # token t from beam ind[b // W, b % W, t] of this request
+            width, ind_len = ind_ref.shape[1], ind_ref.shape[2]
+            beam = b % width
+            src = plgpu.load(ind_ref.at[b // width, beam, t], mask=t_ok & (t < ind_len), other=beam)
+            row = b - beam + jnp.clip(src, 0, width - 1)  # [block_kv]
+        pages = plgpu.load(table_ref.at[row, col], mask=t_ok & (col < max_pages), other=0)
         pages = jnp.clip(pages, 0, num_pages - 1)  # a corrupt table never reads off the pool
-        at = (pages[:, None], kvh, (t % page_size)[:, None])
+        at = (pages[:, None], kvh, (stored_at % page_size)[:, None])
         read = functools.partial(read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim)
         k = read(k_ref, k_scale_ref, dtype=dtype)  # parts of [block_kv, Pd]
         s = sum(
@@ -174,6 +184,7 @@ def paged_decode(
     k_scales=None,
     v_scales=None,
     alibi_slopes=None,
+    cache_indirection=None,
     params: DecodeParams,
     config: PagedDecodeConfig,
     fmt: CacheFormat = PLAIN,
@@ -187,6 +198,8 @@ def paged_decode(
         bfloat16 `[N, Hkv, P, G]` per group).
       block_tables: int32 `[B, max_pages]`; context_lens: int32 `[B]` (query included).
       alibi_slopes: float32 `[Hq]` or None. params, config: static options and tiling.
+      cache_indirection: int32 `[B // W, W, L]` or None: token t of row b is read through
+        the block table of row `b - b % W + ind[b // W, b % W, t]` (t < L; beam search).
 
     Returns:
       out `[B, Hq, D]` in q's dtype and lse float32 `[B, Hq]`.
@@ -204,6 +217,8 @@ def paged_decode(
         inputs += scales
     if alibi_slopes is not None:
         inputs.append(alibi_slopes.astype(jnp.float32))
+    if cache_indirection is not None:
+        inputs.append(cache_indirection.astype(jnp.int32))
     if splits == 1:
         out_shape = [
             jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -219,6 +234,7 @@ def paged_decode(
         params=params,
         fmt=fmt,
         has_alibi=alibi_slopes is not None,
+        has_indirection=cache_indirection is not None,
         split_out=splits > 1,
         group=group,
         rows=rows,
