@@ -7,13 +7,16 @@ Every op takes `implementation="pallas"` (the kernels; Pallas interpret mode off
 """
 
 from jaxattn.attention import attention, ragged_attention
-from jaxattn.cache import PagedKVCache, gather_kv, write_kv
+from jaxattn.cache import PagedKVCache, copy_pages, gather_kv, write_kv
 from jaxattn.decode import contiguous_kv_cache, paged_decode, validate_page_table
 from jaxattn.manager import KVCacheManager, pad_ids, reserve_from_lists
+from jaxattn.metadata import AttentionMetadata
+from jaxattn.paged import PagedAttentionConfig, paged_attention, paged_attention_qkv
 from jaxattn.positional import RelativeBias, alibi_slopes, relative_position_bucket
 from jaxattn.quant import KVQuant, calibrate_kv_scales, dequantize, quantize
 from jaxattn.reference import (
     attention_reference,
+    paged_attention_reference,
     paged_decode_reference,
     ragged_attention_reference,
 )
@@ -29,6 +32,11 @@ from pallas_kernels.flash_prefill import FlashPrefillConfig
 from pallas_kernels.paged_decode import PagedDecodeConfig
 
 __all__ = [
+    "AttentionMetadata",
+    "PagedAttentionConfig",
+    "paged_attention",
+    "paged_attention_qkv",
+    "paged_attention_reference",
     "DynamicNTKScaling",
     "KVQuant",
     "LinearScaling",
@@ -48,6 +56,7 @@ __all__ = [
     "attention",
     "attention_reference",
     "contiguous_kv_cache",
+    "copy_pages",
     "gather_kv",
     "pad_ids",
     "paged_decode",

@@ -36,21 +36,9 @@ def _visible(q_pos, k_pos, *, causal, window, sink_tokens):
     return visible
 
 
-def _attend(q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bias, relative_bias):
-    """Masked softmax attention with explicit positions.
-
-    q `[B, Tq, Hq, D]`; k, v `[B, Tk, Hkv, D]`; q_pos `[B, Tq]` and k_pos `[B, Tk]` int32;
-    visible bool broadcastable to `[B, Hq, Tq, Tk]`; bias likewise (float).
-    Returns out `[B, Tq, Hq, D]` in q's dtype and lse `[B, Hq, Tq]` float32.
-    """
-    batch, tq, num_q_heads, head_dim = q.shape
-    tk, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_q_heads // num_kv_heads
-    qg = q.astype(jnp.float32).reshape(batch, tq, num_kv_heads, group, head_dim)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=_HIGHEST)
-    s = s.reshape(batch, num_q_heads, tq, tk) * scale
-
-    rel = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # [B, 1, Tq, Tk]
+def _add_terms(s, rel, *, bias, alibi_slopes, relative_bias, soft_cap):
+    """Scaled logits `s` `[B, Hq, Tq, Tk]` float32 plus bias, ALiBi and T5 terms, then
+    the soft-cap; `rel` int32 `[B, 1, Tq, Tk]` is key position - query position."""
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     if alibi_slopes is not None:
@@ -67,17 +55,43 @@ def _attend(q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bi
         s = s + jnp.moveaxis(table[:, buckets], 0, 1)  # [B, Hq, Tq, Tk]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
 
+
+def _softmax(s, visible):
+    """Masked float32 softmax over the last axis: (probabilities, lse `s.shape[:-1]`);
+    rows with no visible key get zeros and an lse of -inf."""
     s = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l > 0, l, 1.0)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
+    return p, lse
+
+
+def _attend(q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bias, relative_bias):
+    """Masked softmax attention with explicit positions.
+
+    q `[B, Tq, Hq, D]`; k, v `[B, Tk, Hkv, D]`; q_pos `[B, Tq]` and k_pos `[B, Tk]` int32;
+    visible bool broadcastable to `[B, Hq, Tq, Tk]`; bias likewise (float).
+    Returns out `[B, Tq, Hq, D]` in q's dtype and lse `[B, Hq, Tq]` float32.
+    """
+    batch, tq, num_q_heads, head_dim = q.shape
+    tk, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    qg = q.astype(jnp.float32).reshape(batch, tq, num_kv_heads, group, head_dim)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=_HIGHEST)
+    s = s.reshape(batch, num_q_heads, tq, tk) * scale
+    rel = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # [B, 1, Tq, Tk]
+    s = _add_terms(
+        s, rel, bias=bias, alibi_slopes=alibi_slopes, relative_bias=relative_bias, soft_cap=soft_cap
+    )
+    p, lse = _softmax(s, visible)
     pg = p.reshape(batch, num_kv_heads, group, tq, tk)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(jnp.float32), precision=_HIGHEST)
     out = out.reshape(batch, tq, num_q_heads, head_dim).astype(q.dtype)
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
     return out, lse
 
 
@@ -230,6 +244,7 @@ def paged_decode_reference(
     soft_cap: float | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    cache_indirection=None,
 ):
     """One query token per sequence against its paged history (generation phase).
 
@@ -237,12 +252,28 @@ def paged_decode_reference(
     query sits at position `context_lens[b] - 1`) in pages `block_tables[b]` of `cache`.
     A quantized cache is dequantized in float32, then rounded to q's dtype, as the kernel
     does: the reference sees exactly the K/V values the kernel multiplies.
+    cache_indirection: None, or int32 `[B // W, W, L]` (beam width W): token t of row
+    `r = b * W + j` is read through row `b * W + clip(ind[b, j, t], 0, W - 1)`'s block
+    table; tokens t >= L read through row r's own (`jaxattn.paged_decode`).
     Returns out `[B, Hq, D]` (and lse `[B, Hq]`).
     """
     from jaxattn.cache import gather_kv  # (cache imports nothing from here)
 
     max_len = block_tables.shape[1] * cache.page_size
-    k, v = gather_kv(cache, block_tables, context_lens, max_len)  # quantized: float32
+    if cache_indirection is None:
+        k, v = gather_kv(cache, block_tables, context_lens, max_len)  # quantized: float32
+    else:
+        # Every row's full table, then token t of row r from its source row src[r, t].
+        everything = jnp.full_like(context_lens, max_len)
+        k, v = gather_kv(cache, block_tables, everything, max_len)
+        width, ind_len = cache_indirection.shape[1:]
+        t = jnp.arange(max_len)
+        row = jnp.arange(q.shape[0])[:, None]  # [B, 1]
+        beam = jnp.clip(cache_indirection[:, :, jnp.minimum(t, ind_len - 1)], 0, width - 1)
+        beam = jnp.where(t < ind_len, beam.reshape(q.shape[0], max_len), row % width)
+        src = row - row % width + beam  # [B, max_len]
+        valid = (t < context_lens[:, None])[:, :, None, None]
+        k, v = (jnp.where(valid, x[src, t], 0) for x in (k, v))
     out = attention_reference(
         q[:, None],
         k.astype(q.dtype),
@@ -260,3 +291,99 @@ def paged_decode_reference(
     if return_lse:
         return out[0][:, 0], out[1][:, :, 0]
     return out[:, 0]
+
+
+def cached_positions(slots, prefix, ring):
+    """Position held by slot index `slots` (int32 `[K]`, in table order: slot v is in table
+    column v // P) of a sequence whose first `prefix` (int32 `[T, 1]`) positions are
+    cached; -1 where the slot holds none of them. `ring = (kept, size)`: a cyclic cache
+    (positions >= kept cycle through slots kept .. kept + size - 1; the latest wins)."""
+    if ring is None:
+        return jnp.where(slots < prefix, slots, -1)
+    kept, size = ring
+    r = slots - kept
+    latest = kept + r + size * jnp.floor_divide(prefix - 1 - kept - r, size)
+    pos = jnp.where(slots < kept, slots, latest)
+    return jnp.where((pos >= 0) & (pos < prefix) & ((slots < kept) | (pos >= kept)), pos, -1)
+
+
+def paged_attention_reference(
+    q,
+    k_new,
+    v_new,
+    cache,
+    meta,
+    *,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_slopes=None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    relative_bias: RelativeBias | None = None,
+    return_lse: bool = False,
+):
+    """In-flight batching attention (spec of `jaxattn.paged_attention`, after RoPE).
+
+    q `[T, Hq, D]`; k_new, v_new `[T, Hkv, D]`: the step's new keys and values as the cache
+    stores them (`jaxattn.cache.stored_values`); cache: the cache BEFORE this step's write;
+    meta: the `AttentionMetadata`. Token i of row s sits at position
+    `context_lens[s] - q_len[s] + i` and attends causally to the row's cached prefix (its
+    first `context_lens[s] - q_len[s]` positions, read through its block table) and to the
+    row's new tokens, with the options of `attention_reference`. Padding tokens output
+    zeros. Memory is O(T * (M * P + T)): for tests and small models.
+    Returns out `[T, Hq, D]` in q's dtype (and lse float32 `[Hq, T]`).
+    """
+    from jaxattn.cache import gather_kv  # (cache imports nothing from here)
+
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    group = num_q_heads // num_kv_heads
+    rows, real = meta.token_rows()
+    q_lens = meta.q_lens
+    ctx = meta.context_lens[rows]
+    prefix = (ctx - q_lens[rows])[:, None]  # [T, 1]
+    q_pos = ctx - q_lens[rows] + (jnp.arange(num_tokens) - meta.cu_seqlens_q[rows])  # [T]
+
+    # Cached keys: every slot of the row's table, in table order.
+    num_slots = meta.max_pages * cache.page_size
+    full = jnp.full((num_tokens,), num_slots, jnp.int32)
+    k_c, v_c = gather_kv(cache, meta.block_tables[rows], full, num_slots)  # [T, K, Hkv, D]
+    k_c, v_c = k_c.astype(q.dtype), v_c.astype(q.dtype)
+    pos_c = cached_positions(jnp.arange(num_slots)[None, :], prefix, meta.ring)  # [T, K]
+    held = (pos_c >= 0)[:, :, None, None]  # other slots may hold anything (0 * NaN = NaN)
+    k_c, v_c = jnp.where(held, k_c, 0), jnp.where(held, v_c, 0)
+    # New keys: the step's tokens of the same row.
+    same_row = (rows[None, :] == rows[:, None]) & real[None, :]  # [T, T]
+    pos_n = jnp.where(same_row, q_pos[None, :], -1)
+
+    k_pos = jnp.concatenate([pos_c, pos_n], axis=1)  # [T, K + T], -1 = no key
+    valid = (k_pos >= 0) & real[:, None]
+    visible = valid & _visible(
+        q_pos[:, None], k_pos, causal=True, window=window, sink_tokens=sink_tokens
+    )
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
+    s_n = jnp.einsum("thgd,uhd->thgu", qg, f32(k_new.astype(q.dtype)), precision=_HIGHEST)
+    s = jnp.concatenate([s_c, s_n], axis=-1).reshape(num_tokens, num_q_heads, 1, -1)
+    s = s * (head_dim**-0.5 if scale is None else scale)
+    rel = (k_pos - q_pos[:, None])[:, None, None, :]  # [T, 1, 1, K + T]
+    s = _add_terms(
+        s,
+        rel,
+        bias=None,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        soft_cap=soft_cap,
+    )
+    p, lse = _softmax(s, visible[:, None, None, :])  # [T, Hq, 1, K + T], [T, Hq, 1]
+    p = p.reshape(num_tokens, num_kv_heads, group, -1)
+    p_c, p_n = p[..., :num_slots], p[..., num_slots:]
+    v_n = jnp.where(real[:, None, None], f32(v_new.astype(q.dtype)), 0)  # padding: no NaN
+    out = jnp.einsum("thgk,tkhd->thgd", p_c, f32(v_c), precision=_HIGHEST)
+    out = out + jnp.einsum("thgu,uhd->thgd", p_n, v_n, precision=_HIGHEST)
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    out = jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+    if return_lse:
+        return out, jnp.where(real[None, :], lse[:, :, 0].T, -jnp.inf)
+    return out

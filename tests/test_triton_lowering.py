@@ -173,3 +173,62 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
         _spec((4,), jnp.int32),
     )
     assert "triton" in text
+
+
+def _meta_spec(num_tokens, num_seqs, max_pages, ring=None):
+    i32 = lambda *shape: _spec(shape, jnp.int32)  # noqa: E731
+    return jaxattn.AttentionMetadata(
+        cu_seqlens_q=i32(num_seqs + 1),
+        context_lens=i32(num_seqs),
+        block_tables=i32(num_seqs, max_pages),
+        positions=i32(num_tokens),
+        slot_mapping=i32(num_tokens),
+        seq_ids=i32(num_seqs),
+        ring=ring,
+    )
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [None, jaxattn.KVQuant("int8"), jaxattn.KVQuant("int4", "group", 32),
+     jaxattn.KVQuant("float8_e4m3fn", "group")],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(window=100, sink_tokens=4, ring=(16, 112)),
+     dict(relative_bias=jaxattn.RelativeBias(jnp.zeros((32, 32), jnp.float32), 128, False)),
+     dict(alibi_slopes=_spec((32,), jnp.float32), soft_cap=30.0, return_lse=True)],
+    ids=["plain", "window_ring", "t5", "alibi_softcap_lse"],
+)  # fmt: skip
+def test_paged_attention_lowers_to_triton(quant, options):
+    """Both kernels of a serving step: the flash kernel reading a paged (quantized,
+    possibly cyclic) prefix, and the decode kernel."""
+    options = dict(options)
+    ring = options.pop("ring", None)
+    arrays, static = _split(options)
+    head_dim, page_size, num_pages = 128, 16, 64
+    fn = jax.jit(
+        lambda q, k, v, cache, meta, arrays: jaxattn.paged_attention(
+            q, k, v, cache, meta, implementation="pallas", **static, **arrays
+        )
+    )
+    if quant is None:
+        pages, scales = _spec((num_pages, 8, page_size, head_dim)), ()
+    else:
+        pages = _spec((num_pages, 8, page_size, quant.packed_dim(head_dim)), quant.storage_dtype)
+        if quant.granularity == "tensor":
+            scales = (_spec((), jnp.float32),) * 2
+        else:
+            shape = (num_pages, 8, page_size, quant.num_groups(head_dim))
+            scales = (_spec(shape, jnp.bfloat16),) * 2
+    text = _lower(
+        fn,
+        _spec((96, 32, head_dim)),
+        _spec((96, 8, head_dim)),
+        _spec((96, 8, head_dim)),
+        jaxattn.PagedKVCache(pages, pages, *scales, quant=quant),
+        _meta_spec(96, 8, 8, ring),
+        arrays,
+    )
+    assert "triton" in text

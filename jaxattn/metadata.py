@@ -1,0 +1,245 @@
+"""`AttentionMetadata`: the plan of one serving step, built once and used by every layer.
+
+A step of in-flight batching packs the new tokens of many sequences into one `[T]` axis:
+rows (sequences) in any order, each a context chunk (several tokens, attending to its
+cached prefix and to itself) or a generation token (one). The plan says where each row's
+tokens are, how long each sequence is after the step, where its pages are, and where each
+new token goes in the cache (FlashInfer's "plan once, run many").
+
+Buckets are the shapes: T = max_tokens, S = max_seqs, M = max_pages_per_seq. A serving
+loop that pads every step to one of a few buckets compiles once per bucket.
+
+Worked example, P = 4: row 0 continues a prompt (8 cached tokens + a 4-token chunk), row 1
+generates its 6th token, row 2 is padding; T = 8 (3 padding tokens):
+
+    cu_seqlens_q  [0, 4, 5, 5]           q_len = [4, 1, 0]
+    context_lens  [12, 6, 0]             prefix = context_lens - q_len = [8, 5, 0]
+    positions     [8, 9, 10, 11, 5, 0, 0, 0]
+    slot_mapping  [page(0, 2)*4 + 0, ..., page(0, 2)*4 + 3, page(1, 1)*4 + 1, -1, -1, -1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from jaxattn.manager import KVCacheManager
+
+__all__ = ["AttentionMetadata"]
+
+
+def _ring_position(t, ring):
+    """Where position t is stored (numpy or jnp ints): see `KVCacheManager.ring`."""
+    if ring is None:
+        return t
+    kept, size = ring
+    return np.where(t < kept, t, kept + np.maximum(t - kept, 0) % size)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the tokens of one step are and where they go (a pytree; arrays are leaves).
+
+    Attributes:
+      cu_seqlens_q: int32 `[S+1]`; row s owns tokens `cu_seqlens_q[s] : cu_seqlens_q[s+1]`.
+        Padding rows have no tokens; tokens from `cu_seqlens_q[S]` on are padding.
+      context_lens: int32 `[S]`; the sequence's length after this step (cached prefix plus
+        its new tokens); 0 for padding rows.
+      block_tables: int32 `[S, M]`; the row's pages (a `KVCacheManager` table row).
+      positions: int32 `[T]`; each token's position, `context_lens[s] - q_len[s] + i`;
+        0 for padding tokens. RoPE rotates at these positions.
+      slot_mapping: int32 `[T]`; each token's cache slot (`page * P + offset`), -1 to skip.
+      seq_ids: int32 `[S]`; the manager row of each batch row, -1 for padding rows.
+      ring: static; `(kept, size)` of a cyclic (window) cache (`KVCacheManager.ring`), or
+        None: positions below `kept` are stored as they are, later ones cycle through
+        `size` slots.
+    """
+
+    cu_seqlens_q: Int[Array, " S1"]
+    context_lens: Int[Array, " S"]
+    block_tables: Int[Array, "S M"]
+    positions: Int[Array, " T"]
+    slot_mapping: Int[Array, " T"]
+    seq_ids: Int[Array, " S"]
+    ring: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def max_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def q_lens(self) -> Int[Array, " S"]:
+        """int32 `[S]`: new tokens of each row."""
+        return jnp.diff(self.cu_seqlens_q)
+
+    @property
+    def num_context(self) -> Int[Array, ""]:
+        """Rows with more than one new token (context or chunked context)."""
+        return jnp.sum(self.q_lens > 1, dtype=jnp.int32)
+
+    @property
+    def num_generation(self) -> Int[Array, ""]:
+        """Rows with exactly one new token (generation)."""
+        return jnp.sum(self.q_lens == 1, dtype=jnp.int32)
+
+    def token_rows(self) -> tuple[Int[Array, " T"], jax.Array]:
+        """(row of each token int32 `[T]`, clamped into [0, S); bool `[T]` real token)."""
+        t = jnp.arange(self.max_tokens, dtype=jnp.int32)
+        row = jnp.sum(t[:, None] >= self.cu_seqlens_q[None, 1:], axis=1, dtype=jnp.int32)
+        return jnp.minimum(row, self.max_seqs - 1), t < self.cu_seqlens_q[-1]
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def build(
+        cls, mgr: KVCacheManager, seq_ids: Int[Array, " S"], q_lens: Int[Array, " S"], max_tokens
+    ) -> AttentionMetadata:
+        """The plan on the device (jittable), after `mgr.reserve` grew each sequence to its
+        length after the step.
+
+        Args:
+          mgr: the manager; row `seq_ids[s]`'s length is taken as the length after the step.
+          seq_ids: int `[S]`, manager rows in batch order; < 0 = padding row.
+          q_lens: int `[S]`, new tokens per row (ignored for padding rows).
+          max_tokens: T, the token bucket (static).
+        """
+        seq_ids = jnp.asarray(seq_ids, jnp.int32)
+        q_lens = jnp.asarray(q_lens, jnp.int32)
+        if seq_ids.ndim != 1 or q_lens.shape != seq_ids.shape:
+            raise ValueError(
+                f"AttentionMetadata.build: {seq_ids.shape=} and {q_lens.shape=}: expected [S]"
+            )
+        live = seq_ids >= 0
+        row = jnp.clip(seq_ids, 0, mgr.max_seqs - 1)
+        context_lens = jnp.where(live, mgr.lengths[row], 0)
+        q_lens = jnp.where(live, jnp.clip(q_lens, 0, context_lens), 0)
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+        # Tokens past the bucket are dropped: an overfull step must be caught on the host.
+        cu = jnp.minimum(cu, max_tokens)
+        meta = cls(
+            cu_seqlens_q=cu,
+            context_lens=context_lens,
+            block_tables=jnp.where(live[:, None], mgr.block_tables[row], -1),
+            positions=jnp.zeros(max_tokens, jnp.int32),
+            slot_mapping=jnp.full(max_tokens, -1, jnp.int32),
+            seq_ids=jnp.where(live, seq_ids, -1),
+            ring=mgr.ring,
+        )
+        tok_row, real = meta.token_rows()
+        t = jnp.arange(max_tokens, dtype=jnp.int32)
+        positions = context_lens[tok_row] - q_lens[tok_row] + (t - cu[tok_row])
+        positions = jnp.where(real, positions, 0)
+        slots = mgr.slot_mapping(jnp.where(real, seq_ids[tok_row], -1), positions)
+        return dataclasses.replace(meta, positions=positions, slot_mapping=slots)
+
+    @classmethod
+    def from_lists(
+        cls,
+        q_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        page_size: int,
+        *,
+        max_tokens: int,
+        max_seqs: int,
+        max_pages: int,
+        ring: tuple[int, int] | None = None,
+    ) -> AttentionMetadata:
+        """The plan from host lists (numpy), padded to the buckets.
+
+        Args:
+          q_lens, context_lens: per live row: new tokens, and length after the step.
+          block_tables: per live row, its page ids (at least the pages its positions use).
+          page_size: P. max_tokens, max_seqs, max_pages: the buckets T, S, M.
+          ring: a cyclic cache's `(kept, size)` (`KVCacheManager.ring`), or None.
+        Seq ids are the row numbers `0..len(q_lens)-1`.
+        """
+        n = len(q_lens)
+        if len(context_lens) != n or len(block_tables) != n:
+            raise ValueError(
+                f"AttentionMetadata.from_lists: {len(q_lens)} q_lens, {len(context_lens)} "
+                f"context_lens and {len(block_tables)} block_tables: one each per row"
+            )
+        q = np.asarray(q_lens, np.int64).reshape(-1)
+        ctx = np.asarray(context_lens, np.int64).reshape(-1)
+        if n > max_seqs:
+            raise ValueError(f"from_lists: {n} rows do not fit in max_seqs={max_seqs}")
+        if q.sum() > max_tokens:
+            raise ValueError(f"from_lists: q_lens sum to {q.sum()} > max_tokens={max_tokens}")
+        if np.any(q < 0) or np.any(q > ctx):
+            raise ValueError(
+                f"from_lists: need 0 <= q_lens <= context_lens; got {q_lens=}, {context_lens=}"
+            )
+        tables = np.full((max_seqs, max_pages), -1, np.int64)
+        for s, pages in enumerate(block_tables):
+            if len(pages) > max_pages:
+                raise ValueError(
+                    f"from_lists: block_tables[{s}] has {len(pages)} pages > {max_pages=}"
+                )
+            tables[s, : len(pages)] = pages
+        cu = np.zeros(max_seqs + 1, np.int64)
+        cu[1 : n + 1] = np.cumsum(q)
+        cu[n + 1 :] = cu[n]
+        positions = np.zeros(max_tokens, np.int64)
+        slots = np.full(max_tokens, -1, np.int64)
+        for s in range(n):
+            pos = np.arange(ctx[s] - q[s], ctx[s])
+            stored = _ring_position(pos, ring)
+            # A chunk longer than a ring writes its sinks and its last `size` tokens only.
+            pos_kept = True if ring is None else (pos < ring[0]) | (pos >= ctx[s] - ring[1])
+            col = stored // page_size
+            if np.any(col >= max_pages) or np.any(tables[s, col] < 0):
+                raise ValueError(
+                    f"from_lists: block_tables[{s}] does not hold positions up to {ctx[s] - 1}"
+                )
+            positions[cu[s] : cu[s + 1]] = pos
+            page = tables[s, col]
+            slots[cu[s] : cu[s + 1]] = np.where(pos_kept, page * page_size + stored % page_size, -1)
+        ctx_all = np.zeros(max_seqs, np.int64)
+        ctx_all[:n] = ctx
+        seq_ids = np.where(np.arange(max_seqs) < n, np.arange(max_seqs), -1)
+        i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+        return cls(
+            cu_seqlens_q=i32(cu),
+            context_lens=i32(ctx_all),
+            block_tables=i32(tables),
+            positions=i32(positions),
+            slot_mapping=i32(slots),
+            seq_ids=i32(seq_ids),
+            ring=ring,
+        )
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> dict[str, jax.Array]:
+        """Data-dependent consistency (opt-in, jittable): bool scalars by name and "ok".
+        (Page ids and capacity: `jaxattn.validate_page_table`.)
+
+        cu_monotone: `cu_seqlens_q` starts at 0, never decreases, ends within T.
+        q_within_context: `0 <= q_len[s] <= context_lens[s]`.
+        positions_match: every real token's position is `context_lens - q_len + i`.
+        """
+        cu, q_lens = self.cu_seqlens_q, self.q_lens
+        tok_row, real = self.token_rows()
+        t = jnp.arange(self.max_tokens, dtype=jnp.int32)
+        expect = self.context_lens[tok_row] - q_lens[tok_row] + (t - cu[tok_row])
+        checks = dict(
+            cu_monotone=(cu[0] == 0) & jnp.all(jnp.diff(cu) >= 0) & (cu[-1] <= self.max_tokens),
+            q_within_context=jnp.all((q_lens >= 0) & (q_lens <= self.context_lens)),
+            positions_match=jnp.all(jnp.where(real, self.positions == expect, True)),
+        )
+        checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
+        return checks

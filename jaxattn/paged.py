@@ -1,0 +1,340 @@
+"""In-flight batching: `paged_attention`, one call for the context and generation tokens of
+a serving step over the paged KV cache (TensorRT-LLM's `gpt_attention`, OpenPPL's
+`MultiHeadCacheAttention`).
+
+The step's tokens are packed (`AttentionMetadata`): rows in any order, each a context
+chunk or a generation token. The op rotates q and k (RoPE at `meta.positions`), writes k
+and v into the cache (quantizing), and attends:
+
+- generation rows (one new token) run the paged-decode kernel over the updated cache;
+- context rows (several new tokens) run the flash kernel, reading the cached prefix from
+  the pages (dequantized on load) and the new keys from the packed input, rounded to what
+  the cache stores, so a prompt processed in chunks attends to the same values as in one
+  pass. The prefix is read from the cache as it was before the write only in a cyclic
+  cache, where a long chunk may overwrite slots its own first queries still need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxattn import reference, validation
+from jaxattn.cache import PagedKVCache, stored_values, write_kv
+from jaxattn.dispatch import run_first
+from jaxattn.metadata import AttentionMetadata
+from jaxattn.positional import RelativeBias
+from jaxattn.rope import RoPE, apply_rope
+from pallas_kernels.common import use_interpret
+from pallas_kernels.flash_prefill import (
+    Batch,
+    CachedPrefix,
+    FlashPrefillConfig,
+    LogitParams,
+    flash_prefill,
+)
+from pallas_kernels.paged_decode import (
+    CacheFormat,
+    DecodeParams,
+    PagedDecodeConfig,
+    paged_decode,
+)
+
+__all__ = ["PagedAttentionConfig", "paged_attention", "paged_attention_qkv"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tilings of the two kernels of `paged_attention`; None picks each one's heuristic."""
+
+    prefill: FlashPrefillConfig | None = None
+    decode: PagedDecodeConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    window: int | None
+    sink_tokens: int
+    soft_cap: float | None
+    scale: float
+
+
+def _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias):
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache: expected a jaxattn.PagedKVCache, got {type(cache)}")
+    if not isinstance(meta, AttentionMetadata):
+        raise ValueError(f"meta: expected a jaxattn.AttentionMetadata, got {type(meta)}")
+    validation.check_qkv(q, k, v, packed=True)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens:
+        raise ValueError(f"{q.shape=} and {k.shape=}: q and k/v need one token count T")
+    if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
+        raise ValueError(
+            f"{k.shape=}: expected [T, num_kv_heads={cache.num_kv_heads}, "
+            f"head_dim={cache.head_dim}] for a cache of {cache.k_pages.shape=}"
+        )
+    cache.check()
+    if cache.quant is None and q.dtype != cache.dtype:
+        raise ValueError(f"{q.dtype=} and {cache.dtype=}: q and the cache must share a dtype")
+    S, M = meta.max_seqs, meta.max_pages
+    for name, x, want in (
+        ("meta.positions", meta.positions, (num_tokens,)),
+        ("meta.slot_mapping", meta.slot_mapping, (num_tokens,)),
+        ("meta.cu_seqlens_q", meta.cu_seqlens_q, (S + 1,)),
+        ("meta.seq_ids", meta.seq_ids, (S,)),
+        ("meta.block_tables", meta.block_tables, (S, M)),
+    ):
+        if x.shape != want or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(
+                f"{name}: {x.shape} {x.dtype}, expected int {list(want)} for {q.shape=} "
+                f"and {meta.context_lens.shape=} (T tokens, S rows)"
+            )
+    if rope is not None:
+        if not isinstance(rope, RoPE):
+            raise ValueError(f"rope: expected a jaxattn.RoPE or None, got {type(rope)}")
+        rope.rotary_dim_for(head_dim)  # raises for an odd or too large rotary_dim
+    validation.check_options(
+        num_q_heads=num_q_heads,
+        window=options.window,
+        sink_tokens=options.sink_tokens,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        soft_cap=options.soft_cap,
+        scale=options.scale,
+    )
+    if meta.ring is not None:
+        kept, size = meta.ring
+        if options.window is None or options.window > size or options.sink_tokens > kept:
+            raise ValueError(
+                f"window={options.window}, sink_tokens={options.sink_tokens}: a cyclic cache "
+                f"(meta.ring={meta.ring}, kept positions and ring size) needs a window <= "
+                f"{size} and at most {kept} sink tokens"
+            )
+
+
+def paged_attention(
+    q: Float[Array, "T Hq D"],
+    k: Float[Array, "T Hkv D"],
+    v: Float[Array, "T Hkv D"],
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    *,
+    rope: RoPE | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_slopes: Float[Array, " Hq"] | None = None,
+    soft_cap: float | None = None,
+    scale: float | None = None,
+    relative_bias: RelativeBias | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: PagedAttentionConfig | None = None,
+):
+    """Attention of a packed serving step (context and generation rows) over the cache.
+
+    Args:
+      q: `[T, Hq, D]`, the step's query tokens, packed as `meta.cu_seqlens_q` says, in the
+        cache's dtype (a quantized cache: any float dtype of 16 bits or more).
+      k, v: `[T, Hkv, D]`, the step's new keys and values (same dtype as q).
+      cache: the `PagedKVCache` (plain or quantized) holding every row's cached prefix.
+      meta: the step's `AttentionMetadata` (rows, lengths after the step, pages, positions,
+        slots); build it once per step, pass it to every layer.
+      rope: rotate q and k at `meta.positions` (`jaxattn.RoPE`) before writing k; None: q
+        and k come rotated (or the model has no RoPE).
+      window, sink_tokens, alibi_slopes, soft_cap, scale, relative_bias: as
+        `jaxattn.attention` (positions within each sequence; the attention is causal,
+        bottom-right aligned). A cyclic cache (`meta.ring`) needs `window <= ring size`.
+      return_lse: also return the natural log-sum-exp, float32 `[Hq, T]`.
+      implementation: "pallas", "xla" (the reference), a list tried in order, or None.
+      config: `PagedAttentionConfig` with the kernels' tilings, or None (heuristics).
+
+    Returns:
+      `(out [T, Hq, D], cache)`: out in q's dtype, zeros for padding tokens; the cache
+      with the new tokens written (in place when the caller donates it to `jax.jit`).
+    """
+    options = _Options(
+        window=None if window is None else int(window),
+        sink_tokens=int(sink_tokens),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+    )
+    _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias)
+    if rope is not None:
+        q = apply_rope(q, meta.positions, rope)
+        k = apply_rope(k, meta.positions, rope)
+    new_cache = write_kv(cache, k, v, meta.slot_mapping)
+    k_new, v_new = stored_values(cache, k, v, q.dtype)
+
+    def run(impl):
+        if impl == "xla":
+            out, lse = reference.paged_attention_reference(
+                q,
+                k_new,
+                v_new,
+                cache,
+                meta,
+                window=options.window,
+                sink_tokens=options.sink_tokens,
+                alibi_slopes=alibi_slopes,
+                soft_cap=options.soft_cap,
+                scale=options.scale,
+                relative_bias=relative_bias,
+                return_lse=True,
+            )
+        else:
+            # A cyclic chunk may overwrite prefix slots its own first queries still read.
+            prefix_cache = cache if meta.ring is not None else new_cache
+            out, lse = _pallas(
+                q,
+                k_new,
+                v_new,
+                prefix_cache,
+                new_cache,
+                meta,
+                options,
+                alibi_slopes,
+                relative_bias,
+                config,
+            )
+        return (out, lse) if return_lse else out
+
+    return run_first(implementation, run), new_cache
+
+
+def paged_attention_qkv(
+    qkv: Float[Array, "T F"],
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    **options,
+):
+    """`paged_attention` on a fused projection `qkv[T, (Hq + 2 * Hkv) * D]`: q is the
+    first `Hq * D` columns, then k (`Hkv * D`), then v. Same options and results."""
+    if qkv.ndim != 2 or qkv.shape[1] % (num_q_heads + 2 * num_kv_heads):
+        raise ValueError(
+            f"{qkv.shape=}: expected [T, (num_q_heads + 2 * num_kv_heads) * D] with "
+            f"{num_q_heads=}, {num_kv_heads=}"
+        )
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    qkv = qkv.reshape(qkv.shape[0], num_q_heads + 2 * num_kv_heads, head_dim)
+    q = qkv[:, :num_q_heads]
+    k = qkv[:, num_q_heads : num_q_heads + num_kv_heads]
+    v = qkv[:, num_q_heads + num_kv_heads :]
+    return paged_attention(q, k, v, cache, meta, **options)
+
+
+def _cache_format(cache: PagedKVCache) -> CacheFormat:
+    quant = cache.quant
+    if quant is None:
+        return CacheFormat()
+    groups = quant.num_groups(cache.head_dim)
+    return CacheFormat(quant.dtype, quant.granularity, 0 if groups == 1 else quant.group_size)
+
+
+def _pallas(
+    q, k_new, v_new, prefix_cache, cache, meta, options, alibi_slopes, relative_bias, config
+):
+    """Decode kernel for one-token rows, flash kernel (prefix from pages) for the others.
+    With T5 relative bias (which the decode kernel lacks) every row takes the flash kernel."""
+    config = config or PagedAttentionConfig()
+    num_tokens, num_q_heads, head_dim = q.shape
+    fmt = _cache_format(cache)
+    rows, real = meta.token_rows()
+    q_lens, cu = meta.q_lens, meta.cu_seqlens_q
+    decode_rows = (q_lens == 1) if relative_bias is None else jnp.zeros_like(q_lens, bool)
+    interpret = use_interpret()
+
+    # Context rows: a packed batch; decode rows and padding rows get no tiles.
+    ctx_q = jnp.where(decode_rows, 0, q_lens)
+    batch = Batch(
+        q_len=ctx_q,
+        kv_len=jnp.where(decode_rows, 0, meta.context_lens),
+        q_start=cu[:-1],
+        q_rows=ctx_q,
+        k_start=cu[:-1],
+        dense=False,
+    )
+    prefill_config = config.prefill or FlashPrefillConfig.heuristic(
+        num_tokens,
+        meta.max_pages * cache.page_size,
+        head_dim,
+        q.dtype,
+        True,
+        lengths=True,
+        packed=True,
+        logit_tiles=relative_bias is not None,
+    )
+    rel = relative_bias
+    out_p, lse_p = flash_prefill(
+        q,
+        k_new,
+        v_new,
+        batch,
+        cached=CachedPrefix(
+            prefix_cache.k_pages,
+            prefix_cache.v_pages,
+            meta.block_tables,
+            prefix_cache.k_scales,
+            prefix_cache.v_scales,
+            fmt=fmt,
+            ring=meta.ring,
+        ),
+        alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
+        rel_table=None if rel is None else rel.table.astype(jnp.float32),
+        params=LogitParams(
+            causal=True,
+            window=options.window,
+            sink_tokens=options.sink_tokens,
+            soft_cap=options.soft_cap,
+            scale=options.scale,
+            rel_max_distance=0 if rel is None else rel.max_distance,
+            rel_bidirectional=False if rel is None else rel.bidirectional,
+        ),
+        config=prefill_config,
+        return_lse=True,
+        interpret=interpret,
+    )
+    if relative_bias is not None:
+        out, lse = out_p, lse_p
+    else:
+        # Generation rows: each row's one token, over the cache after the write.
+        first = jnp.minimum(cu[:-1], num_tokens - 1)
+        decode_config = config.decode or PagedDecodeConfig.heuristic(
+            meta.max_seqs,
+            cache.num_kv_heads,
+            meta.max_pages * cache.page_size,
+            cache.page_size,
+            quantized=cache.quant is not None,
+        )
+        out_d, lse_d = paged_decode(
+            q[first],
+            cache.k_pages,
+            cache.v_pages,
+            meta.block_tables,
+            jnp.where(decode_rows, meta.context_lens, 0),
+            k_scales=cache.k_scales,
+            v_scales=cache.v_scales,
+            alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+            params=DecodeParams(
+                window=options.window,
+                sink_tokens=options.sink_tokens,
+                soft_cap=options.soft_cap,
+                scale=options.scale,
+                ring=meta.ring,
+            ),
+            config=decode_config,
+            fmt=fmt,
+            interpret=interpret,
+        )
+        from_decode = decode_rows[rows]
+        out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
+        lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
+    # Padding tokens: no tile wrote them.
+    out = jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+    lse = jnp.where(real[None, :], lse, -jnp.inf)
+    return out, lse
