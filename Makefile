@@ -10,7 +10,7 @@ GPU_WORKERS ?= 12
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,interop]"
 	touch $@
 
 demo: $(VENV)/.installed
