@@ -268,6 +268,7 @@ def _pallas(
         lengths=True,
         packed=True,
         logit_tiles=relative_bias is not None,
+        paged=True,
     )
     rel = relative_bias
     out_p, lse_p = flash_prefill(

@@ -267,22 +267,27 @@ def _flash_prefill_kernel(
         rows = pl.ds(k_start - prefix + k0, block_kv)
         return plgpu.load(ref.at[rows, kvh, dims], mask=kv_ok, other=other)
 
-    def load_kv(ref, pool, scale, k0, masked, source):  # source: "new", "cache" or "both"
-        if source == "new":
-            return load_new(ref, k0, masked)
+    def locate(k0):
+        """Pages `[block_kv]` and offsets of keys k0.. in the cache (pages of keys past the
+        prefix read as 0)."""
+        t = k0 + jnp.arange(block_kv)
+        stored_at = ring_position(t, cached[1])
+        page_size, max_pages = k_pool.shape[2], table_ref.shape[1]
+        col = stored_at // page_size
+        ok = (t < prefix) & (col < max_pages)
+        pages = plgpu.load(table_ref.at[seq, col], mask=ok, other=0)
+        pages = jnp.clip(pages, 0, k_pool.shape[0] - 1)  # a corrupt table never reads off the pool
+        return pages, stored_at % page_size
+
+    def load_cached(pool, scale, located, rows_ok):  # [block_kv, Dp]
+        pages, offsets = located
+        at = (pages[:, None], kvh, offsets[:, None])
+        return read_rows(pool, scale, cached[0], at, rows_ok, head_dim, q_ref.dtype)
+
+    def load_mixed(ref, pool, scale, k0):  # [block_kv, Dp]: cached rows, then new rows
         t = k0 + jnp.arange(block_kv)
         in_cache = t < prefix
-        stored_at = ring_position(t, cached[1])
-        page_size, max_pages = pool.shape[2], table_ref.shape[1]
-        col = stored_at // page_size
-        pages = plgpu.load(table_ref.at[seq, col], mask=in_cache & (col < max_pages), other=0)
-        pages = jnp.clip(pages, 0, pool.shape[0] - 1)  # a corrupt table never reads off the pool
-        at = (pages[:, None], kvh, (stored_at % page_size)[:, None])
-        # Blocks inside the prefix need no row mask (so the loads vectorize).
-        rows_ok = None if source == "cache" else in_cache
-        tile = read_rows(pool, scale, cached[0], at, rows_ok, head_dim, q_ref.dtype)
-        if source == "cache":
-            return tile
+        tile = load_cached(pool, scale, locate(k0), in_cache)
         fresh_ok = (t >= prefix) & (t < kv_len)
         rows = (k_start - prefix + t)[:, None]
         cols = jnp.arange(padded_dim)[None, :]
@@ -291,18 +296,34 @@ def _flash_prefill_kernel(
 
     def body(masked, source, block, carry):
         k0 = block * block_kv
-        k = load_kv(k_ref, k_pool, k_scale, k0, masked, source)  # [block_kv, Dp]
+        if source == "new":
+            load = functools.partial(load_new, k0=k0, masked=masked)
+            k, load_v = load(k_ref), lambda: load(v_ref)
+        else:  # "both"
+            k = load_mixed(k_ref, k_pool, k_scale, k0)
+            load_v = lambda: load_mixed(v_ref, v_pool, v_scale, k0)  # noqa: E731
         s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
-        load_v = lambda: load_kv(v_ref, v_pool, v_scale, k0, masked, source)  # noqa: E731
         return softmax_update(carry, s, load_v, precision)
+
+    def cached_body(masked, block, carry):
+        """A block inside the prefix. Its page ids were loaded by the previous step, so
+        the K/V loads do not wait on a table load and pipeline across steps."""
+        carry, located = carry
+        k0 = block * block_kv
+        k = load_cached(k_pool, k_scale, located, None)  # every row is cached: no mask
+        s = logits(q, k, k0, masked)
+        load_v = lambda: load_cached(v_pool, v_scale, located, None)  # noqa: E731
+        return softmax_update(carry, s, load_v, precision), locate(k0 + block_kv)
 
     def run(lo, hi, masked, carry):
         """Key blocks [lo, hi), each loaded from where its keys are."""
         if cached is None:
             return jax.lax.fori_loop(lo, hi, functools.partial(body, masked, "new"), carry)
         cache_end, new_start = prefix // block_kv, pl.cdiv(prefix, block_kv)
+        end = jnp.maximum(lo, jnp.minimum(hi, cache_end))
+        step = functools.partial(cached_body, masked)
+        carry, _ = jax.lax.fori_loop(lo, end, step, (carry, locate(lo * block_kv)))
         for source, start, end in (
-            ("cache", lo, jnp.minimum(hi, cache_end)),
             ("both", jnp.maximum(lo, cache_end), jnp.minimum(hi, new_start)),
             ("new", jnp.maximum(lo, new_start), hi),
         ):
