@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples
+	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples notebooks
 	$(PY) -m pytest -q -n 2 tests
 
 # The same suite with the kernels compiled for the GPU (bf16 tolerances, bigger shapes).
@@ -30,8 +30,8 @@ bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples
-	$(VENV)/bin/ruff format --check jaxattn pallas_kernels tests bench examples
+	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples notebooks
+	$(VENV)/bin/ruff format --check jaxattn pallas_kernels tests bench examples notebooks
 
 clean:
 	rm -rf $(VENV) .pytest_cache
