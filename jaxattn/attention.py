@@ -2,7 +2,9 @@
 
 Both validate at trace time, then dispatch to the Pallas flash kernel (`"pallas"`) or the
 pure-jnp reference (`"xla"`). Gradients come from a custom VJP whose backward pass
-recomputes through the reference (a Pallas backward kernel is future work).
+recomputes through the reference (a Pallas backward kernel is future work). An FP8 output
+(`out_dtype=float8_e4m3fn`) is an inference format: it has no gradient, and differentiating
+it raises.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import reference, validation
@@ -38,9 +41,10 @@ class _Static:
     return_lse: bool
     rel_max_distance: int
     rel_bidirectional: bool
+    out_fp8: bool = False  # out_dtype=float8_e4m3fn, quantized by out_scale
 
 
-def _reference(static: _Static, qkv, lengths, extras):
+def _reference(static: _Static, qkv, lengths, extras, out_scale=None):
     q, k, v = qkv
     alibi, bias, mask, rel_table = extras
     relative_bias = (
@@ -60,6 +64,8 @@ def _reference(static: _Static, qkv, lengths, extras):
         scale=static.scale,
         return_lse=True,
     )
+    if static.out_fp8:
+        opts.update(out_dtype=validation.FP8_OUT, out_scale=out_scale)
     if static.packed:
         cu_q, cu_k = lengths
         # bias/mask arrive 4-D ([1, H, Tq, Tk]); the packed reference takes 3-D.
@@ -88,8 +94,10 @@ def _batch(static: _Static, q, k, lengths) -> Batch:
     return Batch(q_len=q_len, kv_len=kv_len)
 
 
-def _pallas(static: _Static, config, qkv, lengths, extras):
+def _pallas(static: _Static, config, qkv, lengths, extras, out_scale=None):
     q, k, v = qkv
+    if static.out_fp8:
+        validation.check_fp8_kernel_output()
     alibi, bias, mask, rel_table = extras
     params = LogitParams(
         causal=static.causal,
@@ -126,15 +134,17 @@ def _pallas(static: _Static, config, qkv, lengths, extras):
         params=params,
         config=config,
         return_lse=static.return_lse,
+        out_dtype=validation.FP8_OUT if static.out_fp8 else None,
+        out_scale=out_scale,
         interpret=use_interpret(),
     )
 
 
-def _forward(impl: str, static: _Static, config, qkv, lengths, extras):
+def _forward(impl: str, static: _Static, config, qkv, lengths, extras, out_scale=None):
     if impl == "xla":
-        out, lse = _reference(static, qkv, lengths, extras)
+        out, lse = _reference(static, qkv, lengths, extras, out_scale)
         return out, (lse if static.return_lse else None)
-    return _pallas(static, config, qkv, lengths, extras)
+    return _pallas(static, config, qkv, lengths, extras, out_scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -164,9 +174,32 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _quantized(impl, static, config, qkv, lengths, extras, out_scale):
+    """The FP8-output forward. A custom VJP whose forward rule raises: differentiation
+    stops with a clear message instead of a gradient through a rounding (or a lowering
+    error deep in the kernel)."""
+    return _forward(impl, static, config, qkv, lengths, extras, out_scale)
+
+
+def _quantized_fwd(impl, static, config, *args):
+    del impl, static, config, args
+    raise TypeError(
+        "attention with out_dtype=float8_e4m3fn is not differentiable (a quantized "
+        "inference output); differentiate the out_dtype=None call and quantize its result"
+    )
+
+
+def _quantized_bwd(impl, static, config, residuals, cotangents):  # pragma: no cover
+    raise AssertionError("unreachable: _quantized_fwd raises")
+
+
+_quantized.defvjp(_quantized_fwd, _quantized_bwd)
+
+
 def _empty(static: _Static, q, k):
     """No query rows or no keys (a static size of 0): zeros, and lse = -inf."""
-    out = jnp.zeros(q.shape, q.dtype)
+    out = jnp.zeros(q.shape, validation.FP8_OUT if static.out_fp8 else q.dtype)
     if not static.return_lse:
         return out
     num_q_heads = q.shape[-2]
@@ -177,14 +210,17 @@ def _empty(static: _Static, q, k):
     return out, jnp.full(lse_shape, -jnp.inf, jnp.float32)
 
 
-def _run(implementation, static, config, qkv, lengths, extras):
+def _run(implementation, static, config, qkv, lengths, extras, out_scale):
     q, k, _ = qkv
     token_axis = 0 if static.packed else 1
     if q.shape[token_axis] == 0 or k.shape[token_axis] == 0:
         return _empty(static, q, k)
 
     def run(impl):
-        out, lse = _differentiable(impl, static, config, qkv, lengths, extras)
+        if static.out_fp8:
+            out, lse = _quantized(impl, static, config, qkv, lengths, extras, out_scale)
+        else:
+            out, lse = _differentiable(impl, static, config, qkv, lengths, extras)
         return (out, lse) if static.return_lse else out
 
     return run_first(implementation, run)
@@ -206,8 +242,11 @@ def _prepare(
     soft_cap,
     scale,
     return_lse,
+    out_dtype,
+    out_scale,
 ):
     validation.check_qkv(q, k, v, packed=packed)
+    out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
     num_q_heads, head_dim = q.shape[-2:]
     validation.check_options(
         num_q_heads=num_q_heads,
@@ -236,8 +275,9 @@ def _prepare(
         return_lse=bool(return_lse),
         rel_max_distance=0 if relative_bias is None else relative_bias.max_distance,
         rel_bidirectional=False if relative_bias is None else relative_bias.bidirectional,
+        out_fp8=out_dtype == validation.FP8_OUT,
     )
-    return static, (alibi, bias, mask, rel_table)
+    return static, (alibi, bias, mask, rel_table), out_scale
 
 
 def attention(
@@ -259,6 +299,8 @@ def attention(
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: FlashPrefillConfig | None = None,
+    out_dtype: DTypeLike | None = None,
+    out_scale: float | Float[Array, ""] | None = None,
 ):
     """Attention of a padded batch (context / prefill phase; also cross attention).
 
@@ -282,12 +324,20 @@ def attention(
       implementation: "pallas", "xla", a list tried in order (a name that raises
         NotImplementedError falls through to the next), or None (pallas on GPU, else xla).
       config: a `FlashPrefillConfig` for the pallas kernel; None picks a heuristic.
+      out_dtype: None (q's dtype), or `jnp.float8_e4m3fn`: FP8 output, quantized in the
+        kernel's epilogue from the float32 result as `clip(out * (1 / out_scale), -448,
+        448)` rounded to nearest even (TensorRT-LLM's convention; dequantize with
+        `out.astype(jnp.float32) * out_scale`). Not differentiable: `jax.grad` raises.
+        The compiled kernels need compute capability >= 8.9 (else NotImplementedError,
+        which an implementation list such as `["pallas", "xla"]` falls through).
+      out_scale: float32 scalar (a Python float or a traced `[]` array, > 0), required
+        with (and only with) `out_dtype=float8_e4m3fn`.
 
     Returns:
-      out `[B, Tq, Hq, D]` in q's dtype; rows with no visible key are zeros. With
-      `return_lse`, `(out, lse)`.
+      out `[B, Tq, Hq, D]` in `out_dtype` (default q's); rows with no visible key are
+      zeros. With `return_lse`, `(out, lse)` (lse float32 whatever `out_dtype`).
     """
-    static, extras = _prepare(
+    static, extras, out_scale = _prepare(
         q,
         k,
         v,
@@ -302,10 +352,13 @@ def attention(
         soft_cap=soft_cap,
         scale=scale,
         return_lse=return_lse,
+        out_dtype=out_dtype,
+        out_scale=out_scale,
     )
     validation.check_int_vector("q_lengths", q_lengths, q.shape[0])
     validation.check_int_vector("kv_lengths", kv_lengths, q.shape[0])
-    return _run(implementation, static, config, (q, k, v), (q_lengths, kv_lengths), extras)
+    lengths = (q_lengths, kv_lengths)
+    return _run(implementation, static, config, (q, k, v), lengths, extras, out_scale)
 
 
 def ragged_attention(
@@ -327,6 +380,8 @@ def ragged_attention(
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: FlashPrefillConfig | None = None,
+    out_dtype: DTypeLike | None = None,
+    out_scale: float | Float[Array, ""] | None = None,
 ):
     """Attention over packed (varlen) sequences, FlashAttention's `cu_seqlens` layout.
 
@@ -338,10 +393,11 @@ def ragged_attention(
         Query and key counts may differ per sequence (chunked context, cross attention);
         queries are bottom-right aligned within their sequence as in `attention`.
       bias, mask: broadcastable to `[Hq, Tq_total, Tk_total]`, in packed coordinates.
-      Other options: as `attention`.
+      Other options (`out_dtype` / `out_scale` for an FP8 output included): as `attention`.
 
     Returns:
-      out `[Tq_total, Hq, D]`; with `return_lse`, also lse float32 `[Hq, Tq_total]`.
+      out `[Tq_total, Hq, D]` in `out_dtype` (default q's); with `return_lse`, also lse
+      float32 `[Hq, Tq_total]`.
     """
     validation.check_qkv(q, k, v, packed=True)
     if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -353,7 +409,7 @@ def ragged_attention(
         raise ValueError(f"{cu_seqlens_q.shape=}: expected [B+1] with B >= 1")
     validation.check_int_vector("cu_seqlens_q", cu_seqlens_q, num_seqs + 1)
     validation.check_int_vector("cu_seqlens_k", cu_seqlens_k, num_seqs + 1)
-    static, extras = _prepare(
+    static, extras, out_scale = _prepare(
         q,
         k,
         v,
@@ -368,5 +424,8 @@ def ragged_attention(
         soft_cap=soft_cap,
         scale=scale,
         return_lse=return_lse,
+        out_dtype=out_dtype,
+        out_scale=out_scale,
     )
-    return _run(implementation, static, config, (q, k, v), (cu_seqlens_q, cu_seqlens_k), extras)
+    lengths = (cu_seqlens_q, cu_seqlens_k)
+    return _run(implementation, static, config, (q, k, v), lengths, extras, out_scale)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from jaxattn import reference, validation
@@ -92,6 +93,8 @@ def paged_decode(
     implementation: str | Sequence[str] | None = None,
     config: PagedDecodeConfig | None = None,
     cache_indirection: Int[Array, "Bw W L"] | None = None,
+    out_dtype: DTypeLike | None = None,
+    out_scale: float | Float[Array, ""] | None = None,
 ):
     """One new query token per sequence attends to its cached history.
 
@@ -116,9 +119,14 @@ def paged_decode(
         `b * W + cache_indirection[b, j, t]` (clamped into the request's W rows), through
         that row's block table; tokens t >= L are read from row r itself. Lengths,
         positions and masks stay row r's own. Reordering beams then copies no K/V.
+      out_dtype, out_scale: None, or `jnp.float8_e4m3fn` with a float32 scalar scale: FP8
+        output `clip(out * (1 / out_scale), -448, 448)` rounded to e4m3, as
+        `jaxattn.attention`. The kernel quantizes in its epilogue; with split-K in the
+        combine kernel's (the partial outputs stay float32).
 
     Returns:
-      out `[B, Hq, D]` (and lse with `return_lse`). Page ids and lengths are trusted:
+      out `[B, Hq, D]` in `out_dtype` (default q's; idle slots: zeros), and lse float32
+      with `return_lse`. Page ids and lengths are trusted:
       check them with `validate_page_table` while debugging.
 
     Cache indirection, a worked example: one request, W = 2 beams, P = 2, 5 tokens.
@@ -143,6 +151,7 @@ def paged_decode(
         soft_cap,
         scale,
     )
+    out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     def run(impl):
@@ -159,6 +168,8 @@ def paged_decode(
                 scale=scale,
                 return_lse=True,
                 cache_indirection=cache_indirection,
+                out_dtype=out_dtype,
+                out_scale=out_scale,
             )
         else:
             out, lse = _pallas(
@@ -173,6 +184,8 @@ def paged_decode(
                 soft_cap,
                 scale,
                 config,
+                out_dtype,
+                out_scale,
             )
         return (out, lse) if return_lse else out
 
@@ -191,7 +204,12 @@ def _pallas(
     soft_cap,
     scale,
     config,
+    out_dtype,
+    out_scale,
 ):
+    fp8 = out_dtype == validation.FP8_OUT
+    if fp8:
+        validation.check_fp8_kernel_output()
     if config is None:
         config = PagedDecodeConfig.heuristic(
             q.shape[0],
@@ -224,6 +242,8 @@ def _pallas(
         params=params,
         config=config,
         fmt=fmt,
+        out_dtype=out_dtype if fp8 else None,
+        out_scale=out_scale,
         interpret=use_interpret(),
     )
 

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 from jaxattn import reference, validation
@@ -132,6 +133,8 @@ def paged_attention(
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: PagedAttentionConfig | None = None,
+    out_dtype: DTypeLike | None = None,
+    out_scale: float | Float[Array, ""] | None = None,
 ):
     """Attention of a packed serving step (context and generation rows) over the cache.
 
@@ -150,9 +153,14 @@ def paged_attention(
       return_lse: also return the natural log-sum-exp, float32 `[Hq, T]`.
       implementation: "pallas", "xla" (the reference), a list tried in order, or None.
       config: `PagedAttentionConfig` with the kernels' tilings, or None (heuristics).
+      out_dtype, out_scale: None, or `jnp.float8_e4m3fn` with a float32 scalar scale: FP8
+        output `clip(out * (1 / out_scale), -448, 448)` rounded to e4m3, as
+        `jaxattn.attention`, quantized in both kernels' epilogues (e.g. for an FP8 output
+        projection). The cache and lse are unaffected.
 
     Returns:
-      `(out [T, Hq, D], cache)`: out in q's dtype, zeros for padding tokens; the cache
+      `(out [T, Hq, D], cache)`: out in `out_dtype` (default q's), zeros for padding
+      tokens (and lse float32 with `return_lse`); the cache
       with the new tokens written (in place when the caller donates it to `jax.jit`).
     """
     options = _Options(
@@ -162,6 +170,7 @@ def paged_attention(
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
     )
     _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias)
+    out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
     if rope is not None:
         q = apply_rope(q, meta.positions, rope)
         k = apply_rope(k, meta.positions, rope)
@@ -183,6 +192,8 @@ def paged_attention(
                 scale=options.scale,
                 relative_bias=relative_bias,
                 return_lse=True,
+                out_dtype=out_dtype,
+                out_scale=out_scale,
             )
         else:
             # A cyclic chunk may overwrite prefix slots its own first queries still read.
@@ -198,6 +209,8 @@ def paged_attention(
                 alibi_slopes,
                 relative_bias,
                 config,
+                out_dtype,
+                out_scale,
             )
         return (out, lse) if return_lse else out
 
@@ -214,7 +227,8 @@ def paged_attention_qkv(
     **options,
 ):
     """`paged_attention` on a fused projection `qkv[T, (Hq + 2 * Hkv) * D]`: q is the
-    first `Hq * D` columns, then k (`Hkv * D`), then v. Same options and results."""
+    first `Hq * D` columns, then k (`Hkv * D`), then v. Same options (`out_dtype` and
+    `out_scale` included) and results."""
     if qkv.ndim != 2 or qkv.shape[1] % (num_q_heads + 2 * num_kv_heads):
         raise ValueError(
             f"{qkv.shape=}: expected [T, (num_q_heads + 2 * num_kv_heads) * D] with "
@@ -237,10 +251,26 @@ def _cache_format(cache: PagedKVCache) -> CacheFormat:
 
 
 def _pallas(
-    q, k_new, v_new, prefix_cache, cache, meta, options, alibi_slopes, relative_bias, config
+    q,
+    k_new,
+    v_new,
+    prefix_cache,
+    cache,
+    meta,
+    options,
+    alibi_slopes,
+    relative_bias,
+    config,
+    out_dtype,
+    out_scale,
 ):
     """Decode kernel for one-token rows, flash kernel (prefix from pages) for the others.
-    With T5 relative bias (which the decode kernel lacks) every row takes the flash kernel."""
+    With T5 relative bias (which the decode kernel lacks) every row takes the flash kernel.
+    An FP8 output is quantized by each kernel's epilogue; the merge below only selects."""
+    fp8 = out_dtype == validation.FP8_OUT
+    if fp8:
+        validation.check_fp8_kernel_output()
+    quant_out = dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
     config = config or PagedAttentionConfig()
     num_tokens, num_q_heads, head_dim = q.shape
     fmt = _cache_format(cache)
@@ -299,6 +329,7 @@ def _pallas(
         config=prefill_config,
         return_lse=True,
         interpret=interpret,
+        **quant_out,
     )
     if relative_bias is not None:
         out, lse = out_p, lse_p
@@ -331,11 +362,12 @@ def _pallas(
             config=decode_config,
             fmt=fmt,
             interpret=interpret,
+            **quant_out,
         )
         from_decode = decode_rows[rows]
         out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
         lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
     # Padding tokens: no tile wrote them.
-    out = jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+    out = jnp.where(real[:, None, None], out, jnp.zeros((), out_dtype)).astype(out_dtype)
     lse = jnp.where(real[None, :], lse, -jnp.inf)
     return out, lse

@@ -10,6 +10,11 @@ float32 softmax. A key is visible if `j < kv_len`, and (causal) `j <= p`, and (w
 `j > p - W` or (sinks S) `j < S`, and the custom mask allows it. Rows with no visible key,
 and padding rows, output zeros and a log-sum-exp of -inf.
 
+Output: q's dtype by default; with `out_dtype=float8_e4m3fn` the float32 result is
+quantized as `saturate(out * (1 / out_scale))` rounded to e4m3 (TensorRT-LLM's FP8 output,
+`jaxattn.quant`'s per-tensor convention), straight from float32, never from a value
+already rounded to q's dtype.
+
 Inputs are assumed valid: `jaxattn.attention` and `jaxattn.ragged_attention` check them.
 """
 
@@ -18,9 +23,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxattn import validation
 from jaxattn.positional import RelativeBias, relative_position_bucket
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _store(out, q_dtype, out_dtype, out_scale):
+    """The float32 result `out` as the op returns it: cast to `out_dtype` (None: q's), or
+    for float8_e4m3fn quantized, `clip(out * (1 / out_scale), -448, 448)` rounded to
+    nearest even. Zeros stay exact zeros."""
+    dtype, out_scale = validation.check_output(out_dtype, out_scale, q_dtype)
+    if dtype != validation.FP8_OUT:
+        return out.astype(dtype)
+    y = out.astype(jnp.float32) * (1.0 / out_scale)
+    return jnp.clip(y, -validation.FP8_OUT_MAX, validation.FP8_OUT_MAX).astype(dtype)
 
 
 def _visible(q_pos, k_pos, *, causal, window, sink_tokens):
@@ -71,12 +88,27 @@ def _softmax(s, visible):
     return p, lse
 
 
-def _attend(q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bias, relative_bias):
+def _attend(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    visible,
+    *,
+    scale,
+    soft_cap,
+    alibi_slopes,
+    bias,
+    relative_bias,
+    out_dtype=None,
+    out_scale=None,
+):
     """Masked softmax attention with explicit positions.
 
     q `[B, Tq, Hq, D]`; k, v `[B, Tk, Hkv, D]`; q_pos `[B, Tq]` and k_pos `[B, Tk]` int32;
     visible bool broadcastable to `[B, Hq, Tq, Tk]`; bias likewise (float).
-    Returns out `[B, Tq, Hq, D]` in q's dtype and lse `[B, Hq, Tq]` float32.
+    Returns out `[B, Tq, Hq, D]` in `out_dtype` (`_store`) and lse `[B, Hq, Tq]` float32.
     """
     batch, tq, num_q_heads, head_dim = q.shape
     tk, num_kv_heads = k.shape[1], k.shape[2]
@@ -91,8 +123,8 @@ def _attend(q, k, v, q_pos, k_pos, visible, *, scale, soft_cap, alibi_slopes, bi
     p, lse = _softmax(s, visible)
     pg = p.reshape(batch, num_kv_heads, group, tq, tk)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(jnp.float32), precision=_HIGHEST)
-    out = out.reshape(batch, tq, num_q_heads, head_dim).astype(q.dtype)
-    return out, lse
+    out = out.reshape(batch, tq, num_q_heads, head_dim)
+    return _store(out, q.dtype, out_dtype, out_scale), lse
 
 
 def attention_reference(
@@ -112,12 +144,15 @@ def attention_reference(
     soft_cap: float | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    out_dtype=None,
+    out_scale=None,
 ):
     """Dense (padded) attention. Shapes and options as `jaxattn.attention`.
 
     q `[B, Tq, Hq, D]`, k/v `[B, Tk, Hkv, D]`, q_lengths/kv_lengths int `[B]`,
     bias float and mask bool broadcastable to `[B, Hq, Tq, Tk]`, alibi_slopes `[Hq]`.
-    Returns out `[B, Tq, Hq, D]` (and lse `[B, Hq, Tq]` float32 with `return_lse`).
+    Returns out `[B, Tq, Hq, D]` in `out_dtype` (None: q's; float8_e4m3fn: quantized by
+    `out_scale`, a float32 scalar) and, with `return_lse`, lse `[B, Hq, Tq]` float32.
     """
     batch, tq, _, head_dim = q.shape
     tk = k.shape[1]
@@ -156,6 +191,8 @@ def attention_reference(
         alibi_slopes=alibi_slopes,
         bias=bias,
         relative_bias=relative_bias,
+        out_dtype=out_dtype,
+        out_scale=out_scale,
     )
     return (out, lse) if return_lse else out
 
@@ -177,14 +214,16 @@ def ragged_attention_reference(
     soft_cap: float | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    out_dtype=None,
+    out_scale=None,
 ):
     """Packed (varlen) attention. Shapes and options as `jaxattn.ragged_attention`.
 
     q `[Tq_total, Hq, D]`, k/v `[Tk_total, Hkv, D]`; sequence b owns query tokens
     `cu_seqlens_q[b]:cu_seqlens_q[b+1]` and keys `cu_seqlens_k[b]:cu_seqlens_k[b+1]`.
     bias/mask are broadcastable to `[Hq, Tq_total, Tk_total]` (packed coordinates).
-    Returns out `[Tq_total, Hq, D]` (and lse `[Hq, Tq_total]`); tokens past
-    `cu_seqlens_q[-1]` are padding and output zeros.
+    Returns out `[Tq_total, Hq, D]` in `out_dtype` (as `attention_reference`; and lse
+    `[Hq, Tq_total]`); tokens past `cu_seqlens_q[-1]` are padding and output zeros.
     """
     tq, _, head_dim = q.shape
     tk = k.shape[0]
@@ -228,6 +267,8 @@ def ragged_attention_reference(
         alibi_slopes=alibi_slopes,
         bias=None if bias is None else bias[None],
         relative_bias=relative_bias,
+        out_dtype=out_dtype,
+        out_scale=out_scale,
     )
     return (out[0], lse[0]) if return_lse else out[0]
 
@@ -245,6 +286,8 @@ def paged_decode_reference(
     scale: float | None = None,
     return_lse: bool = False,
     cache_indirection=None,
+    out_dtype=None,
+    out_scale=None,
 ):
     """One query token per sequence against its paged history (generation phase).
 
@@ -255,7 +298,7 @@ def paged_decode_reference(
     cache_indirection: None, or int32 `[B // W, W, L]` (beam width W): token t of row
     `r = b * W + j` is read through row `b * W + clip(ind[b, j, t], 0, W - 1)`'s block
     table; tokens t >= L read through row r's own (`jaxattn.paged_decode`).
-    Returns out `[B, Hq, D]` (and lse `[B, Hq]`).
+    Returns out `[B, Hq, D]` in `out_dtype` (as `attention_reference`; and lse `[B, Hq]`).
     """
     from jaxattn.cache import gather_kv  # (cache imports nothing from here)
 
@@ -287,6 +330,8 @@ def paged_decode_reference(
         soft_cap=soft_cap,
         scale=scale,
         return_lse=return_lse,
+        out_dtype=out_dtype,
+        out_scale=out_scale,
     )
     if return_lse:
         return out[0][:, 0], out[1][:, :, 0]
@@ -321,6 +366,8 @@ def paged_attention_reference(
     scale: float | None = None,
     relative_bias: RelativeBias | None = None,
     return_lse: bool = False,
+    out_dtype=None,
+    out_scale=None,
 ):
     """In-flight batching attention (spec of `jaxattn.paged_attention`, after RoPE).
 
@@ -331,7 +378,8 @@ def paged_attention_reference(
     first `context_lens[s] - q_len[s]` positions, read through its block table) and to the
     row's new tokens, with the options of `attention_reference`. Padding tokens output
     zeros. Memory is O(T * (M * P + T)): for tests and small models.
-    Returns out `[T, Hq, D]` in q's dtype (and lse float32 `[Hq, T]`).
+    Returns out `[T, Hq, D]` in `out_dtype` (as `attention_reference`; and lse float32
+    `[Hq, T]`).
     """
     from jaxattn.cache import gather_kv  # (cache imports nothing from here)
 
@@ -383,7 +431,7 @@ def paged_attention_reference(
     out = jnp.einsum("thgk,tkhd->thgd", p_c, f32(v_c), precision=_HIGHEST)
     out = out + jnp.einsum("thgu,uhd->thgd", p_n, v_n, precision=_HIGHEST)
     out = out.reshape(num_tokens, num_q_heads, head_dim)
-    out = jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+    out = _store(jnp.where(real[:, None, None], out, 0), q.dtype, out_dtype, out_scale)
     if return_lse:
         return out, jnp.where(real[None, :], lse[:, :, 0].T, -jnp.inf)
     return out

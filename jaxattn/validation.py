@@ -5,11 +5,19 @@ Every error names the argument and the shapes involved, so a user sees what to c
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.positional import RelativeBias
+from pallas_kernels.common import use_interpret
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+# The quantized output format (`out_dtype=`): e4m3fn, saturated to its largest finite value
+# (it has no inf: an unclipped overflow would round to NaN).
+FP8_OUT = np.dtype(jnp.float8_e4m3fn)
+FP8_OUT_MAX = float(jnp.finfo(FP8_OUT).max)  # 448
 
 
 def _fail(msg: str):
@@ -92,3 +100,52 @@ def check_options(
                 f"relative_bias.max_distance={relative_bias.max_distance}: must exceed the "
                 "exact-bucket range num_buckets // 4 (bidirectional) or // 2"
             )
+
+
+def check_output(out_dtype, out_scale, q_dtype):
+    """The output dtype of an op (None: q's) and its `out_scale`, checked.
+
+    Returns `(dtype, scale)`: dtype is q's or float8_e4m3fn; scale is None, or (fp8 only)
+    a float32 `[]` array. A Python scale must be positive and finite; a traced one is
+    trusted (0 or inf would make `out * (1 / out_scale)` NaN).
+    """
+    try:
+        dtype = np.dtype(q_dtype if out_dtype is None else out_dtype)
+    except TypeError:
+        _fail(f"{out_dtype=}: not a dtype; expected None, q's dtype or float8_e4m3fn")
+    if dtype not in (np.dtype(q_dtype), FP8_OUT):
+        _fail(f"out_dtype={dtype}: expected None, q's dtype ({np.dtype(q_dtype)}) or float8_e4m3fn")
+    if dtype != FP8_OUT:
+        if out_scale is not None:
+            _fail(f"out_scale is only used with out_dtype=float8_e4m3fn (got out_dtype={dtype})")
+        return dtype, None
+    if out_scale is None:
+        _fail("out_dtype=float8_e4m3fn needs out_scale (stored = out * (1 / out_scale))")
+    shape = np.shape(out_scale)
+    if shape != ():
+        _fail(f"out_scale.shape={shape}: expected a scalar [] (one scale per output tensor)")
+    scale_dtype = out_scale.dtype if hasattr(out_scale, "dtype") else np.result_type(out_scale)
+    if not (jnp.issubdtype(scale_dtype, jnp.floating) or jnp.issubdtype(scale_dtype, jnp.integer)):
+        _fail(f"out_scale.dtype={scale_dtype}: expected a real number")
+    if isinstance(out_scale, int | float | np.number) and not (
+        np.isfinite(out_scale) and out_scale > 0
+    ):
+        _fail(f"{out_scale=}: expected a positive finite number")
+    return dtype, jnp.asarray(out_scale, jnp.float32)
+
+
+def check_fp8_kernel_output() -> None:
+    """Raises NotImplementedError (an `implementation=` list then falls through to "xla")
+    where the compiled kernels cannot store float8_e4m3fn: Triton converts float32 to e4m3
+    on sm_89 and later (Ada, Hopper) only."""
+    if use_interpret() or jax.default_backend() != "gpu":
+        return
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None:  # not CUDA: let the lowering decide
+        return
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    if (major, minor) < (8, 9):
+        raise NotImplementedError(
+            f"out_dtype=float8_e4m3fn in the pallas kernels needs a GPU of compute capability "
+            f">= 8.9 (this one: {capability}); implementation='xla' computes it"
+        )

@@ -232,3 +232,104 @@ def test_paged_attention_lowers_to_triton(quant, options):
         arrays,
     )
     assert "triton" in text
+
+
+# FP8 output (out_dtype=float8_e4m3fn): the quantizing epilogues lower (Triton's RTNE
+# float32 -> e4m3 conversion), and the op's result is an f8E4M3FN array. out_scale is traced.
+FP8 = dict(out_dtype=jnp.float8_e4m3fn)
+OUT_SCALE = _spec((), jnp.float32)
+
+
+def _assert_fp8_triton(text):
+    assert "triton" in text and "f8E4M3FN" in text
+
+
+@pytest.fixture
+def fp8_kernels():
+    """On a GPU older than sm_89 the ops refuse fp8 output from the kernels (Triton
+    cannot convert to e4m3 there): nothing to lower."""
+    try:
+        jaxattn.validation.check_fp8_kernel_output()
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(causal=True, q_lengths=LENGTHS, kv_lengths=LENGTHS),
+     dict(causal=True, window=17, alibi_slopes=_spec((HQ,), jnp.float32), return_lse=True)],
+    ids=["lengths", "window_alibi_lse"],
+)  # fmt: skip
+@pytest.mark.usefixtures("fp8_kernels")
+def test_fp8_output_dense_lowers_to_triton(options):
+    arrays, static = _split(options)
+    fn = jax.jit(
+        lambda q, k, v, s, arrays: jaxattn.attention(
+            q, k, v, implementation="pallas", out_scale=s, **FP8, **static, **arrays
+        )
+    )
+    kv = _spec((B, TK, HKV, 128))
+    _assert_fp8_triton(_lower(fn, _spec((B, TQ, HQ, 128)), kv, kv, OUT_SCALE, arrays))
+
+
+@pytest.mark.usefixtures("fp8_kernels")
+def test_fp8_output_packed_lowers_to_triton():
+    fn = jax.jit(
+        lambda q, k, v, cu, s: jaxattn.ragged_attention(
+            q, k, v, cu, cu, causal=True, implementation="pallas", out_scale=s, **FP8
+        )
+    )
+    kv = _spec((300, HKV, 128))
+    text = _lower(fn, _spec((300, HQ, 128)), kv, kv, _spec((5,), jnp.int32), OUT_SCALE)
+    _assert_fp8_triton(text)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.usefixtures("fp8_kernels")
+def test_fp8_output_paged_decode_lowers_to_triton(num_splits):
+    config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=num_splits)
+    fn = jax.jit(
+        lambda q, cache, tables, lengths, s: jaxattn.paged_decode(
+            q, cache, tables, lengths, implementation="pallas", config=config,
+            window=100, out_scale=s, **FP8,
+        )
+    )  # fmt: skip
+    pages = _spec((64, 8, 16, 128))
+    text = _lower(
+        fn,
+        _spec((4, 32, 128)),
+        jaxattn.PagedKVCache(pages, pages),
+        _spec((4, 128), jnp.int32),
+        _spec((4,), jnp.int32),
+        OUT_SCALE,
+    )
+    _assert_fp8_triton(text)
+
+
+@pytest.mark.parametrize("quant", [None, jaxattn.KVQuant("float8_e4m3fn")], ids=str)
+@pytest.mark.usefixtures("fp8_kernels")
+def test_fp8_output_paged_attention_lowers_to_triton(quant):
+    head_dim, page_size, num_pages = 128, 16, 64
+    fn = jax.jit(
+        lambda q, k, v, cache, meta, s: jaxattn.paged_attention(
+            q, k, v, cache, meta, implementation="pallas", return_lse=True,
+            out_scale=s, **FP8,
+        )
+    )  # fmt: skip
+    shape = (num_pages, 8, page_size, head_dim)
+    if quant is None:
+        cache = jaxattn.PagedKVCache(_spec(shape), _spec(shape))
+    else:
+        pages = _spec(shape, quant.storage_dtype)
+        scales = (_spec((), jnp.float32),) * 2
+        cache = jaxattn.PagedKVCache(pages, pages, *scales, quant=quant)
+    text = _lower(
+        fn,
+        _spec((96, 32, head_dim)),
+        _spec((96, 8, head_dim)),
+        _spec((96, 8, head_dim)),
+        cache,
+        _meta_spec(96, 8, 8),
+        OUT_SCALE,
+    )
+    _assert_fp8_triton(text)

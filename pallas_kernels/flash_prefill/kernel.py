@@ -13,6 +13,9 @@ Chunked context (`CachedPrefix`): a packed sequence's first `kv_len - q_len` key
 from a paged KV cache instead (read through its block table, dequantized on load), and only
 its new keys from the packed `k`, `v`: key blocks split into cache-only, mixed (one block at
 most) and new-only runs, so each run loads from one place.
+
+FP8 output (`out_dtype=float8_e4m3fn`): the epilogue quantizes the normalised float32 tile
+in the store (`paged_decode.combine.quantize_output`), never through q's dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
+from pallas_kernels.cache_read import CacheFormat, read_rows, ring_position
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
@@ -37,7 +41,7 @@ from pallas_kernels.common import (
     whole_array_call,
 )
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
-from pallas_kernels.paged_decode.cache_read import CacheFormat, read_rows, ring_position
+from pallas_kernels.output import FP8, inverse_scale, output_value
 
 
 @jax.tree_util.register_dataclass
@@ -142,6 +146,7 @@ def _flash_prefill_kernel(
     group: int,
     dense_shape: tuple[int, int, int] | None,
     cached: tuple[CacheFormat, tuple[int, int] | None] | None,
+    quantize: bool,
 ):
     has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
@@ -158,6 +163,7 @@ def _flash_prefill_kernel(
     mask_ref = refs.pop(0) if has_mask else None  # [Bm, Hm, Rq, Rk]
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
     rel_ref = refs.pop(0) if has_rel else None  # [Hq, num_buckets]
+    inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
     o_ref = refs.pop(0)  # [Tq_all, Hq, D]
     lse_ref = refs.pop(0) if has_lse else None  # [Hq, Tq_all]
 
@@ -366,14 +372,16 @@ def _flash_prefill_kernel(
     out, lse = softmax_finish(carry, row_ok=rows < q_len)
     plgpu.store(
         o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
-        out.astype(o_ref.dtype),
+        output_value(out, o_ref, inv_ref),
         mask=row_store[:, None] & dim_ok,
     )
     if has_lse:
         plgpu.store(lse_ref.at[h, pl.ds(q_start + r0, block_q)], lse, mask=row_store)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "config", "return_lse", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("params", "config", "return_lse", "out_dtype", "interpret")
+)
 def flash_prefill(
     q,
     k,
@@ -388,6 +396,8 @@ def flash_prefill(
     params: LogitParams,
     config: FlashPrefillConfig,
     return_lse: bool = False,
+    out_dtype=None,
+    out_scale=None,
     interpret: bool = False,
 ):
     """Flash attention of a dense or a packed batch.
@@ -404,9 +414,11 @@ def flash_prefill(
         coordinates (packed, `Bb == 1`).
       alibi_slopes: float32 `[Hq]`; rel_table: float32 `[Hq, num_buckets]` (T5 bias).
       params, config: static options and tiling.
+      out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
+        stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
 
     Returns:
-      out shaped like q, and lse float32 `[B, Hq, Tq]` / `[Hq, Tq_all]` (or None).
+      out shaped like q in `out_dtype`, and lse float32 `[B, Hq, Tq]` / `[Hq, Tq_all]` (or None).
     """
     num_q_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]
@@ -441,7 +453,13 @@ def flash_prefill(
     optional = [bias, mask, alibi_slopes, rel_table]
     has = tuple(x is not None for x in [index, *optional]) + (return_lse,)
     inputs = [x for x in [index, q, k, v, *pools, *optional] if x is not None]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    quantize = out_dtype == FP8
+    if quantize:
+        if out_scale is None:
+            raise ValueError("flash_prefill: out_dtype=float8_e4m3fn needs out_scale")
+        inputs.append(inverse_scale(out_scale))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
 
@@ -455,6 +473,7 @@ def flash_prefill(
         group=num_q_heads // num_kv_heads,
         dense_shape=dense_shape,
         cached=cache_layout,
+        quantize=quantize,
     )
     outs = whole_array_call(
         kernel,

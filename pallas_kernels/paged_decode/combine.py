@@ -6,6 +6,9 @@ no key have `lse_s = -inf` and weigh nothing; a head with no key at all gets zer
 `lse = -inf`. One small kernel (one program per sequence and query head) rather than the
 three or four XLA reductions the same formula becomes: at small batch the decode step is a
 few microseconds, and every launch counts.
+
+With FP8 output (`pallas_kernels.output`) the split partials stay float32 and the merged
+value is quantized once, here.
 """
 
 from __future__ import annotations
@@ -18,10 +21,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_power_of_2, whole_array_call
+from pallas_kernels.output import FP8, inverse_scale, output_value
 
 
-def _combine_kernel(o_part_ref, lse_part_ref, o_ref, lse_ref, *, num_splits: int, head_dim: int):
-    """o_part `[B, Hq, S, D]`, lse_part `[B, Hq, S]` float32 -> o `[B, Hq, D]`, lse `[B, Hq]`."""
+def _combine_kernel(
+    o_part_ref, lse_part_ref, *refs, num_splits: int, head_dim: int, quantize: bool
+):
+    """o_part `[B, Hq, S, D]`, lse_part `[B, Hq, S]` float32 (and the inverse output scale
+    `[1]` when `quantize`) -> o `[B, Hq, D]`, lse `[B, Hq]`."""
+    inv_ref = refs[0] if quantize else None
+    o_ref, lse_ref = refs[-2:]
     b, h = pl.program_id(0), pl.program_id(1)
     splits, dims = jnp.arange(next_power_of_2(num_splits)), jnp.arange(next_power_of_2(head_dim))
     split_ok, dim_ok = splits < num_splits, dims < head_dim
@@ -37,21 +46,29 @@ def _combine_kernel(o_part_ref, lse_part_ref, o_ref, lse_ref, *, num_splits: int
     total = jnp.sum(w)
     seen = total > 0.0
     out = jnp.sum(w[:, None] * o_s, axis=0) / jnp.where(seen, total, 1.0)
-    plgpu.store(o_ref.at[b, h, dims], out.astype(o_ref.dtype), mask=dim_ok)
+    plgpu.store(o_ref.at[b, h, dims], output_value(out, o_ref, inv_ref), mask=dim_ok)
     lse_ref[b, h] = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def combine_splits(o_part, lse_part, *, dtype, interpret: bool = False):
+def combine_splits(o_part, lse_part, *, dtype, out_scale=None, interpret: bool = False):
     """Merges split results: o_part `[B, Hq, S, D]`, lse_part `[B, Hq, S]` (float32).
 
+    dtype: of the output; float8_e4m3fn needs `out_scale` (float32 `[]`): the merged
+    float32 value is stored as `quantize_output(out, 1 / out_scale)`.
     Returns out `[B, Hq, D]` in `dtype` and lse `[B, Hq]` float32.
     """
     batch, num_heads, num_splits, head_dim = o_part.shape
-    kernel = functools.partial(_combine_kernel, num_splits=num_splits, head_dim=head_dim)
+    quantize = jnp.dtype(dtype) == FP8
+    if quantize and out_scale is None:
+        raise ValueError("combine_splits: a float8_e4m3fn output needs out_scale")
+    inputs = [o_part, lse_part] + ([inverse_scale(out_scale)] if quantize else [])
+    kernel = functools.partial(
+        _combine_kernel, num_splits=num_splits, head_dim=head_dim, quantize=quantize
+    )
     return whole_array_call(
         kernel,
-        [o_part, lse_part],
+        inputs,
         [
             jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype),
             jax.ShapeDtypeStruct((batch, num_heads), jnp.float32),

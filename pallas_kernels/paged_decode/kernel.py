@@ -10,6 +10,10 @@ Split-K ("multi-block"): with `num_splits > 1` each program covers a contiguous 
 the context and writes its normalised partial output and log-sum-exp; a second kernel merges
 them (out = sum_s exp(lse_s - lse) * out_s; `combine.py`). This keeps the GPU busy when
 `batch * num_kv_heads` is small against the number of SMs.
+
+FP8 output (`out_dtype=float8_e4m3fn`): the normalised float32 result is quantized in the
+store (`combine.quantize_output`): by this kernel's epilogue without splits, by the
+combine kernel's with them (the partials stay float32).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.cache_read import CacheFormat, read_kv, ring_position, row_scale
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
@@ -31,7 +36,7 @@ from pallas_kernels.common import (
     softmax_update,
     whole_array_call,
 )
-from pallas_kernels.paged_decode.cache_read import CacheFormat, read_kv, ring_position, row_scale
+from pallas_kernels.output import FP8, inverse_scale, output_value
 from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
@@ -62,6 +67,7 @@ def _paged_decode_kernel(
     has_alibi: bool,
     has_indirection: bool,
     split_out: bool,
+    quantize: bool,
     group: int,
     rows: int,
     head_dim: int,
@@ -74,6 +80,7 @@ def _paged_decode_kernel(
         k_scale_ref, v_scale_ref = refs.pop(0), refs.pop(0)
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
     ind_ref = refs.pop(0) if has_indirection else None  # [B // W, W, L] int32
+    inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
     o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -166,14 +173,15 @@ def _paged_decode_kernel(
         if split_out:
             plgpu.store(o_ref.at[b, heads[:, None], split, cols], part, mask=store_ok)
         else:
-            plgpu.store(o_ref.at[b, heads[:, None], cols], part.astype(o_ref.dtype), mask=store_ok)
+            value = output_value(part, o_ref, inv_ref)
+            plgpu.store(o_ref.at[b, heads[:, None], cols], value, mask=store_ok)
     if split_out:
         plgpu.store(lse_ref.at[b, heads, split], lse, mask=row_ok)
     else:
         plgpu.store(lse_ref.at[b, heads], lse, mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "config", "fmt", "interpret"))
+@functools.partial(jax.jit, static_argnames=("params", "config", "fmt", "out_dtype", "interpret"))
 def paged_decode(
     q,
     k_pages,
@@ -188,6 +196,8 @@ def paged_decode(
     params: DecodeParams,
     config: PagedDecodeConfig,
     fmt: CacheFormat = PLAIN,
+    out_dtype=None,
+    out_scale=None,
     interpret: bool = False,
 ):
     """Decode attention over a paged cache.
@@ -200,15 +210,21 @@ def paged_decode(
       alibi_slopes: float32 `[Hq]` or None. params, config: static options and tiling.
       cache_indirection: int32 `[B // W, W, L]` or None: token t of row b is read through
         the block table of row `b - b % W + ind[b // W, b % W, t]` (t < L; beam search).
+      out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
+        stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
 
     Returns:
-      out `[B, Hq, D]` in q's dtype and lse float32 `[B, Hq]`.
+      out `[B, Hq, D]` in `out_dtype` and lse float32 `[B, Hq]`.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[1]
     group = num_q_heads // num_kv_heads
     rows = max(_MIN_ROWS, next_power_of_2(group))
     splits = config.num_splits
+    out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    quantize = out_dtype == FP8 and splits == 1
+    if out_dtype == FP8 and out_scale is None:
+        raise ValueError("paged_decode: out_dtype=float8_e4m3fn needs out_scale")
     inputs = [context_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q, k_pages, v_pages]
     if fmt.dtype is not None:
         scales = (k_scales, v_scales)
@@ -219,9 +235,11 @@ def paged_decode(
         inputs.append(alibi_slopes.astype(jnp.float32))
     if cache_indirection is not None:
         inputs.append(cache_indirection.astype(jnp.int32))
+    if quantize:
+        inputs.append(inverse_scale(out_scale))
     if splits == 1:
         out_shape = [
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(q.shape, out_dtype),
             jax.ShapeDtypeStruct((batch, num_q_heads), jnp.float32),
         ]
     else:
@@ -236,6 +254,7 @@ def paged_decode(
         has_alibi=alibi_slopes is not None,
         has_indirection=cache_indirection is not None,
         split_out=splits > 1,
+        quantize=quantize,
         group=group,
         rows=rows,
         head_dim=head_dim,
@@ -253,5 +272,7 @@ def paged_decode(
         name="paged_decode",
     )
     if splits > 1:
-        out, lse = combine_splits(out, lse, dtype=q.dtype, interpret=interpret)
+        out, lse = combine_splits(
+            out, lse, dtype=out_dtype, out_scale=out_scale, interpret=interpret
+        )
     return out, lse
