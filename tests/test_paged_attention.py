@@ -65,6 +65,7 @@ def assert_codes_equal(got, want, quant, msg):
         np.testing.assert_array_equal(got, want, msg)
         return
     if quant.dtype == "int4":  # two signed nibbles per byte
+        got, want = (x.astype(np.int32) for x in (got, want))
         got, want = (np.stack([((x & 0xF) ^ 8) - 8, ((x >> 4) ^ 8) - 8]) for x in (got, want))
     elif quant.dtype == "int8":
         got, want = got.view(np.int8), want.view(np.int8)
