@@ -192,6 +192,16 @@ def paged_decode(
     return run_first(implementation, run)
 
 
+def cache_format(cache: PagedKVCache) -> CacheFormat:
+    """What the kernels need to know of a cache's pools (`pallas_kernels.cache_read`):
+    its quantized format, with group_size 0 when one group spans the row."""
+    quant = cache.quant
+    if quant is None:
+        return CacheFormat()
+    groups = quant.num_groups(cache.head_dim)
+    return CacheFormat(quant.dtype, quant.granularity, 0 if groups == 1 else quant.group_size)
+
+
 def _pallas(
     q,
     cache,
@@ -224,11 +234,7 @@ def _pallas(
         soft_cap=None if soft_cap is None else float(soft_cap),
         scale=scale,
     )
-    quant = cache.quant
-    fmt = CacheFormat()
-    if quant is not None:
-        groups = quant.num_groups(cache.head_dim)
-        fmt = CacheFormat(quant.dtype, quant.granularity, 0 if groups == 1 else quant.group_size)
+    fmt = cache_format(cache)
     return _paged_decode_kernel(
         q,
         cache.k_pages,

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float
 
 from jaxattn import reference, validation
 from jaxattn.cache import PagedKVCache, stored_values, write_kv
+from jaxattn.decode import cache_format
 from jaxattn.dispatch import run_first
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.positional import RelativeBias
@@ -40,7 +41,6 @@ from pallas_kernels.flash_prefill import (
     flash_prefill,
 )
 from pallas_kernels.paged_decode import (
-    CacheFormat,
     DecodeParams,
     PagedDecodeConfig,
     paged_decode,
@@ -244,14 +244,6 @@ def paged_attention_qkv(
     return paged_attention(q, k, v, cache, meta, **options)
 
 
-def _cache_format(cache: PagedKVCache) -> CacheFormat:
-    quant = cache.quant
-    if quant is None:
-        return CacheFormat()
-    groups = quant.num_groups(cache.head_dim)
-    return CacheFormat(quant.dtype, quant.granularity, 0 if groups == 1 else quant.group_size)
-
-
 def _pallas(
     q,
     k_new,
@@ -275,7 +267,7 @@ def _pallas(
     quant_out = dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
     config = config or PagedAttentionConfig()
     num_tokens, num_q_heads, head_dim = q.shape
-    fmt = _cache_format(cache)
+    fmt = cache_format(cache)
     rows, real = meta.token_rows()
     q_lens, cu = meta.q_lens, meta.cu_seqlens_q
     decode_rows = (q_lens == 1) if relative_bias is None else jnp.zeros_like(q_lens, bool)
