@@ -1,7 +1,7 @@
 """`Engine`: the generation loop. A Python continuous-batching scheduler
 (`jaxattn.generation.scheduler`) picks each step's rows; one jit-compiled step releases
 finished sequences, grows the page tables, plans the step (`AttentionMetadata`), runs the
-model over prompt chunks and generation tokens at once (`Llama.step`'s layers, through
+model over prompt chunks and generation tokens at once (`Llama.step`, through
 `paged_attention`), and samples each row's next token from its last new token's logits.
 
 Static shapes: a step's tokens are padded to the smallest of a few token buckets (T), its
@@ -103,18 +103,6 @@ class StepInputs:
     seeds: Int[Array, " S"]
 
 
-def _last_token_logits(model: Llama, tokens, caches, meta, last):
-    """`Llama.step` with the head applied to each row's last new token only: logits
-    `[S, V]` (not `[T, V]`: a long prompt chunk costs no vocabulary matmul) and the caches."""
-    h = model.embed_tokens(tokens)
-    new_caches = []
-    for layer, cache in zip(model.layers, caches, strict=True):
-        h, cache = layer(h, cache=cache, meta=meta)
-        new_caches.append(cache)
-    # The final norm and head, as Llama.step applies them to every token.
-    return model._logits(h[last]), new_caches
-
-
 def _serve_step(graphdef, on_trace, state, caches, mgr, inputs: StepInputs, key):
     """One step (jitted; caches and mgr donated): `(tokens int32 [S], ok, caches, mgr)`,
     ok False when the pool could not hold the rows (the scheduler prevents it)."""
@@ -123,7 +111,7 @@ def _serve_step(graphdef, on_trace, state, caches, mgr, inputs: StepInputs, key)
     mgr = mgr.release(inputs.release)
     mgr, ok = mgr.reserve(inputs.seq_ids, inputs.lengths)
     meta = AttentionMetadata.build(mgr, inputs.seq_ids, inputs.q_lens, inputs.tokens.shape[0])
-    logits, caches = _last_token_logits(model, inputs.tokens, caches, meta, inputs.last)
+    logits, caches = model.step(inputs.tokens, caches, meta, logits_indices=inputs.last)
     keys = row_keys(key, inputs.seeds, inputs.lengths)
     tokens = sample(logits, keys, inputs.temperature, inputs.top_k, inputs.top_p)
     return tokens, ok, caches, mgr

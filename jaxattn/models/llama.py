@@ -142,13 +142,19 @@ class Llama(nnx.Module):
         return self._logits(h)
 
     def step(
-        self, tokens: Int[Array, " T"], caches: Sequence[PagedKVCache], meta
+        self,
+        tokens: Int[Array, " T"],
+        caches: Sequence[PagedKVCache],
+        meta,
+        logits_indices: Int[Array, " R"] | None = None,
     ) -> tuple[Float[Array, "T V"], list[PagedKVCache]]:
         """Serving mode: one step of in-flight batching (prefill chunks and decode tokens).
 
         tokens: int `[T]` packed as `meta` (a `jaxattn.AttentionMetadata`) says; caches:
-        one `PagedKVCache` per layer (`init_cache`). Returns logits `[T, V]` (padding
-        tokens: meaningless) and the caches with this step's k/v written.
+        one `PagedKVCache` per layer (`init_cache`). logits_indices: int `[R]`, the tokens
+        whose logits are wanted (e.g. each row's last new token: a long prompt chunk then
+        costs no vocabulary matmul); None: all. Returns logits `[T, V]` (or `[R, V]`;
+        padding tokens: meaningless) and the caches with this step's k/v written.
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"Llama.step: {len(caches)} caches for {len(self.layers)} layers")
@@ -157,6 +163,8 @@ class Llama(nnx.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             h, cache = layer(h, cache=cache, meta=meta)
             new_caches.append(cache)
+        if logits_indices is not None:
+            h = h[logits_indices]
         return self._logits(h), new_caches
 
     def init_cache(
