@@ -74,6 +74,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from pallas_kernels.cache_read import ring_position
+
 __all__ = ["KVCacheManager", "pad_ids", "reserve_from_lists"]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -389,12 +391,11 @@ class KVCacheManager:
         positions = _int_vector("slot_mapping", "positions", positions, seq_ids.shape[0])
         P, S, M = self.page_size, self.max_seqs, self.max_pages_per_seq
         row = jnp.clip(seq_ids, 0, S - 1)
-        stored = positions
+        stored = ring_position(positions, self.ring)
         valid = (seq_ids >= 0) & (seq_ids < S) & (positions >= 0)
         valid &= positions < self.lengths[row]
         if self.ring is not None:
             kept, size = self.ring
-            stored = jnp.where(positions < kept, positions, kept + (positions - kept) % size)
             valid &= (positions < kept) | (positions >= self.lengths[row] - size)
         col = stored // P
         page = self.block_tables[row, jnp.clip(col, 0, M - 1)]

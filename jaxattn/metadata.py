@@ -29,16 +29,9 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from jaxattn.manager import KVCacheManager
+from pallas_kernels.cache_read import ring_position
 
 __all__ = ["AttentionMetadata"]
-
-
-def _ring_position(t, ring):
-    """Where position t is stored (numpy or jnp ints): see `KVCacheManager.ring`."""
-    if ring is None:
-        return t
-    kept, size = ring
-    return np.where(t < kept, t, kept + np.maximum(t - kept, 0) % size)
 
 
 @jax.tree_util.register_dataclass
@@ -198,7 +191,7 @@ class AttentionMetadata:
         slots = np.full(max_tokens, -1, np.int64)
         for s in range(n):
             pos = np.arange(ctx[s] - q[s], ctx[s])
-            stored = _ring_position(pos, ring)
+            stored = np.asarray(ring_position(pos, ring))
             # A chunk longer than a ring writes its sinks and its last `size` tokens only.
             pos_kept = True if ring is None else (pos < ring[0]) | (pos >= ctx[s] - ring[1])
             col = stored // page_size
