@@ -138,6 +138,37 @@ def time_op(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int, reps: int) 
     return Timing(statistics.median(samples), min(samples), max(samples))
 
 
+def time_carried(step: Callable, carry, args: tuple, settings: Settings, steps: int) -> Timing:
+    """Seconds per call of `step(carry, *args) -> (carry, y)` for calls that update state
+    (a KV cache): `steps` calls run in one jitted loop that carries `carry`, donated so it
+    is updated in place as in a serving loop; a scalar of each `y` is kept alive."""
+
+    def loop(carry, *args):
+        def body(_, loop_carry):
+            carry, acc = loop_carry
+            carry, y = step(carry, *args)
+            return carry, acc + jnp.ravel(y)[0].astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, steps, body, (carry, jnp.float32(0)))
+
+    run = jax.jit(loop, donate_argnums=0)
+    carry = jax.tree.map(jnp.copy, carry)  # ours to donate
+    for _ in range(max(settings.warmup, 1)):
+        carry, acc = run(carry, *args)
+    jax.block_until_ready(acc)
+    start = time.perf_counter()
+    carry, acc = jax.block_until_ready(run(carry, *args))
+    calls = max(1, math.ceil(MIN_MEASUREMENT_S / (time.perf_counter() - start)))
+    samples = []
+    for _ in range(settings.reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            carry, acc = run(carry, *args)
+        jax.block_until_ready(acc)
+        samples.append((time.perf_counter() - start) / calls / steps)
+    return Timing(statistics.median(samples), min(samples), max(samples))
+
+
 def num_input_sets(bytes_per_set: int) -> int:
     """How many distinct input sets to rotate so that together they span 3x the L2."""
     return min(MAX_INPUT_SETS, max(2, math.ceil(3 * L2_BYTES / bytes_per_set)))
@@ -247,8 +278,15 @@ def bench_impl(
                 row, status=on_error, notes=join_notes(notes, check, describe_error(e))
             )
         )
+    return timed_row(settings, row, timing, work, notes=join_notes(notes, check))
+
+
+def timed_row(settings: Settings, row: Row, timing: Timing, work: float, notes: str) -> Row:
+    """`row` with its times, its rate (`work` per second in `row.unit`) and the rate's share
+    of this run's ceiling; printed as it is returned."""
     rate = work / timing.median_s / 1e12
-    ceiling = settings.ceilings.matmul_tflops if unit == "TFLOP/s" else settings.ceilings.copy_tbps
+    c = settings.ceilings
+    ceiling = c.matmul_tflops if row.unit == "TFLOP/s" else c.copy_tbps
     return progress(
         dataclasses.replace(
             row,
@@ -257,7 +295,7 @@ def bench_impl(
             max_ms=timing.max_s * 1e3,
             rate=rate,
             pct_ceiling=100 * rate / ceiling,
-            notes=join_notes(notes, check),
+            notes=notes,
         )
     )
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +37,14 @@ import numpy as np
 from flax import nnx
 
 from bench.common import (
-    MIN_MEASUREMENT_S,
     Row,
     SetResult,
     Settings,
-    Timing,
     describe_error,
     join_notes,
     progress,
     relative_error,
+    time_carried,
 )
 
 SET_NAME = "model"
@@ -191,39 +188,6 @@ def _one_step(model, caches, tokens, meta):
     return run(state, caches)
 
 
-def _time_steps(model, caches, tokens, meta, settings: Settings, steps: int) -> Timing:
-    """Seconds per step of `model.step`, run `steps` times in one jitted loop carrying the
-    (donated) caches."""
-    graphdef, state = nnx.split(model)
-
-    def loop(state, caches):
-        m = nnx.merge(graphdef, state)
-
-        def body(_, carry):
-            caches, acc = carry
-            logits, caches = m.step(tokens, caches, meta)
-            return caches, acc + logits[0, 0].astype(jnp.float32)
-
-        return jax.lax.fori_loop(0, steps, body, (caches, jnp.float32(0)))
-
-    run = jax.jit(loop, donate_argnums=1)
-    caches = jax.tree.map(jnp.copy, caches)  # ours to donate
-    for _ in range(max(settings.warmup, 1)):
-        caches, acc = run(state, caches)
-    jax.block_until_ready(acc)
-    start = time.perf_counter()
-    caches, acc = jax.block_until_ready(run(state, caches))
-    calls = max(1, math.ceil(MIN_MEASUREMENT_S / (time.perf_counter() - start)))
-    samples = []
-    for _ in range(settings.reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            caches, acc = run(state, caches)
-        jax.block_until_ready(acc)
-        samples.append((time.perf_counter() - start) / calls / steps)
-    return Timing(statistics.median(samples), min(samples), max(samples))
-
-
 def _bytes_per_step(shape: Shape, model) -> float:
     """What a step must read: every weight but the embedding table (B rows of it), and
     each sequence's K/V history in every layer (bf16)."""
@@ -257,7 +221,13 @@ def _row(settings, shape, impl, model, caches, tokens, meta, ref, lowp_err, *, s
         check = f"err {err:.1e} (bf16 xla {lowp_err:.1e})"
         if not err <= 2 * lowp_err:
             return progress(dataclasses.replace(row, status="FAILED", notes=check))
-        timing = _time_steps(model, caches, tokens, meta, settings, steps)
+        graphdef, state = nnx.split(model)
+
+        def step(caches, state):
+            logits, caches = nnx.merge(graphdef, state).step(tokens, caches, meta)
+            return caches, logits
+
+        timing = time_carried(step, caches, (state,), settings, steps)
     except Exception as e:  # cuDNN missing off-GPU; ours must run
         status = "FAILED" if impl == "ours" else "skipped"
         return progress(dataclasses.replace(row, status=status, notes=describe_error(e)))

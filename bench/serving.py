@@ -20,25 +20,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import (
-    MIN_MEASUREMENT_S,
     TOLERANCES,
     Row,
     SetResult,
     Settings,
-    Timing,
     bench_impl,
     check_close,
     describe_error,
     join_notes,
     progress,
+    time_carried,
+    timed_row,
 )
 from bench.prefill import config_label, parse_config
 
@@ -109,36 +107,6 @@ def _ours(config=None):
     return functools.partial(jaxattn.paged_attention, implementation="pallas", config=cfg)
 
 
-def _time_steps(attn, cache, args, settings: Settings) -> Timing:
-    """Seconds per step of `attn(*args[:3], cache, meta)` run STEPS times in one jitted
-    loop carrying the (donated) cache."""
-
-    def loop(cache, q, k, v, meta):
-        def body(_, carry):
-            cache, acc = carry
-            out, cache = attn(q, k, v, cache, meta)
-            return cache, acc + out[0, 0, 0].astype(jnp.float32)
-
-        return jax.lax.fori_loop(0, STEPS, body, (cache, jnp.float32(0)))
-
-    run = jax.jit(loop, donate_argnums=0)
-    cache = jax.tree.map(jnp.copy, cache)  # ours to donate
-    for _ in range(max(settings.warmup, 1)):
-        cache, acc = run(cache, *args)
-    jax.block_until_ready(acc)
-    start = time.perf_counter()
-    cache, acc = jax.block_until_ready(run(cache, *args))
-    calls = max(1, math.ceil(MIN_MEASUREMENT_S / (time.perf_counter() - start)))
-    samples = []
-    for _ in range(settings.reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            cache, acc = run(cache, *args)
-        jax.block_until_ready(acc)
-        samples.append((time.perf_counter() - start) / calls / STEPS)
-    return Timing(statistics.median(samples), min(samples), max(samples))
-
-
 def _row(settings, name, shape, impl, attn, cache, args, ref, *, work, unit, notes="", sweep=False):
     """Checks one step against `ref`, then times it (a Row of set `name`)."""
     row = Row(name, shape, impl, "ok", unit=unit, notes=notes, sweep=sweep)
@@ -149,23 +117,16 @@ def _row(settings, name, shape, impl, attn, cache, args, ref, *, work, unit, not
             return progress(
                 dataclasses.replace(row, status="FAILED", notes=join_notes(notes, check))
             )
-        timing = _time_steps(attn, cache, args, settings)
+
+        def step(cache, q, k, v, meta):
+            out, cache = attn(q, k, v, cache, meta)
+            return cache, out
+
+        timing = time_carried(step, cache, args, settings, STEPS)
     except Exception as e:  # a sweep variant that does not compile
         status = "error" if sweep else "FAILED"
         return progress(dataclasses.replace(row, status=status, notes=describe_error(e)))
-    rate = work / timing.median_s / 1e12
-    ceiling = settings.ceilings.matmul_tflops if unit == "TFLOP/s" else settings.ceilings.copy_tbps
-    return progress(
-        dataclasses.replace(
-            row,
-            time_ms=timing.median_s * 1e3,
-            min_ms=timing.min_s * 1e3,
-            max_ms=timing.max_s * 1e3,
-            rate=rate,
-            pct_ceiling=100 * rate / ceiling,
-            notes=join_notes(notes, check),
-        )
-    )
+    return timed_row(settings, row, timing, work, notes=join_notes(notes, check))
 
 
 def _kv_bytes(step: Step, heads) -> float:
