@@ -64,7 +64,9 @@ class FlashPrefillConfig:
         waste in partial tiles). Bias/mask/T5 tiles are pipelined too: at 128x128x3 they
         need up to 352 KiB of shared memory (the H100 has 227), at 128x64x2 they fit.
         `paged`: keys come from a paged cache (chunked context); a 2048-token chunk over a
-        14k prefix ran at 276 TFLOP/s on 128x64x8x3 against 222 on the packed 64x32x4x3.
+        14k prefix runs at 277 TFLOP/s on 128x64x8x3 (bench/RESULTS.md, 11:15 UTC). In a
+        sweep that was not written to RESULTS.md, 128x128x8x3 ran level (275) and the
+        packed choice 64x32x4x3 at 222.
         """
         del kv_len, causal  # Same tiling for both on the measured rows.
         padded_dim = next_power_of_2(head_dim)
