@@ -159,7 +159,7 @@ def _caches(shape: Shape, seed: int = 0):
     tables = rng.permutation(num_pages).reshape(B, pages_per_seq)
     meta = jaxattn.AttentionMetadata.from_lists(
         [1] * B, [shape.context] * B, tables.tolist(), P,
-        max_tokens=B, max_seqs=B, max_pages=pages_per_seq,
+        max_tokens=B, max_seqs=B, max_pages=pages_per_seq, decode_only=True,
     )  # fmt: skip
     slots = num_pages * P
     write = jax.jit(jaxattn.write_kv, donate_argnums=0)

@@ -92,6 +92,7 @@ def _pool(step: Step, heads, seed: int):
         max_tokens=step.tokens,
         max_seqs=len(step.rows),
         max_pages=max(pages_per),
+        decode_only=all(q == 1 for q, _ in step.rows),  # a generation-only step's plan
     )
     t = step.tokens
     q = jax.random.normal(keys[2], (t, num_q_heads, head_dim), jnp.bfloat16)

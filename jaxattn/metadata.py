@@ -52,6 +52,10 @@ class AttentionMetadata:
       ring: static; `(kept, size)` of a cyclic (window) cache (`KVCacheManager.ring`), or
         None: positions below `kept` are stored as they are, later ones cycle through
         `size` slots.
+      decode_only: static; every row has at most one new token (a generation-only step).
+        `paged_attention` then runs the decode kernel alone: no flash-kernel branch, no
+        merge of two kernels' rows. A row with more tokens in such a plan is an error
+        that `check()` reports (its tokens output zeros).
     """
 
     cu_seqlens_q: Int[Array, " S1"]
@@ -61,6 +65,7 @@ class AttentionMetadata:
     slot_mapping: Int[Array, " T"]
     seq_ids: Int[Array, " S"]
     ring: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -99,7 +104,13 @@ class AttentionMetadata:
     # ------------------------------------------------------------------ builders
     @classmethod
     def build(
-        cls, mgr: KVCacheManager, seq_ids: Int[Array, " S"], q_lens: Int[Array, " S"], max_tokens
+        cls,
+        mgr: KVCacheManager,
+        seq_ids: Int[Array, " S"],
+        q_lens: Int[Array, " S"],
+        max_tokens,
+        *,
+        decode_only: bool = False,
     ) -> AttentionMetadata:
         """The plan on the device (jittable), after `mgr.reserve` grew each sequence to its
         length after the step.
@@ -109,6 +120,7 @@ class AttentionMetadata:
           seq_ids: int `[S]`, manager rows in batch order; < 0 = padding row.
           q_lens: int `[S]`, new tokens per row (ignored for padding rows).
           max_tokens: T, the token bucket (static).
+          decode_only: static; the caller promises every q_len is 0 or 1 (see the class).
         """
         seq_ids = jnp.asarray(seq_ids, jnp.int32)
         q_lens = jnp.asarray(q_lens, jnp.int32)
@@ -131,6 +143,7 @@ class AttentionMetadata:
             slot_mapping=jnp.full(max_tokens, -1, jnp.int32),
             seq_ids=jnp.where(live, seq_ids, -1),
             ring=mgr.ring,
+            decode_only=bool(decode_only),
         )
         tok_row, real = meta.token_rows()
         t = jnp.arange(max_tokens, dtype=jnp.int32)
@@ -151,6 +164,7 @@ class AttentionMetadata:
         max_seqs: int,
         max_pages: int,
         ring: tuple[int, int] | None = None,
+        decode_only: bool = False,
     ) -> AttentionMetadata:
         """The plan from host lists (numpy), padded to the buckets.
 
@@ -159,6 +173,7 @@ class AttentionMetadata:
           block_tables: per live row, its page ids (at least the pages its positions use).
           page_size: P. max_tokens, max_seqs, max_pages: the buckets T, S, M.
           ring: a cyclic cache's `(kept, size)` (`KVCacheManager.ring`), or None.
+          decode_only: every q_len is 0 or 1 (see the class); checked here.
         Seq ids are the row numbers `0..len(q_lens)-1`.
         """
         n = len(q_lens)
@@ -173,6 +188,8 @@ class AttentionMetadata:
             raise ValueError(f"from_lists: {n} rows do not fit in max_seqs={max_seqs}")
         if q.sum() > max_tokens:
             raise ValueError(f"from_lists: q_lens sum to {q.sum()} > max_tokens={max_tokens}")
+        if decode_only and np.any(q > 1):
+            raise ValueError(f"from_lists: decode_only=True needs q_lens <= 1; got {q_lens=}")
         if np.any(q < 0) or np.any(q > ctx):
             raise ValueError(
                 f"from_lists: need 0 <= q_lens <= context_lens; got {q_lens=}, {context_lens=}"
@@ -214,6 +231,7 @@ class AttentionMetadata:
             slot_mapping=i32(slots),
             seq_ids=i32(seq_ids),
             ring=ring,
+            decode_only=bool(decode_only),
         )
 
     # ------------------------------------------------------------------ checks
@@ -224,6 +242,7 @@ class AttentionMetadata:
         cu_monotone: `cu_seqlens_q` starts at 0, never decreases, ends within T.
         q_within_context: `0 <= q_len[s] <= context_lens[s]`.
         positions_match: every real token's position is `context_lens - q_len + i`.
+        decode_only_rows: with `decode_only`, no row has more than one new token.
         """
         cu, q_lens = self.cu_seqlens_q, self.q_lens
         tok_row, real = self.token_rows()
@@ -233,6 +252,7 @@ class AttentionMetadata:
             cu_monotone=(cu[0] == 0) & jnp.all(jnp.diff(cu) >= 0) & (cu[-1] <= self.max_tokens),
             q_within_context=jnp.all((q_lens >= 0) & (q_lens <= self.context_lens)),
             positions_match=jnp.all(jnp.where(real, self.positions == expect, True)),
+            decode_only_rows=jnp.all(q_lens <= 1) | (not self.decode_only),
         )
         checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
         return checks

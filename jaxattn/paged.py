@@ -6,7 +6,8 @@ The step's tokens are packed (`AttentionMetadata`): rows in any order, each a co
 chunk or a generation token. The op rotates q and k (RoPE at `meta.positions`), writes k
 and v into the cache (quantizing), and attends:
 
-- generation rows (one new token) run the paged-decode kernel over the updated cache;
+- generation rows (one new token) run the paged-decode kernel over the updated cache (a
+  `decode_only` plan runs that kernel alone);
 - context rows (several new tokens) run the flash kernel, reading the cached prefix from
   the pages (dequantized on load) and the new keys from the packed input, rounded to what
   the cache stores, so a prompt processed in chunks attends to the same values as in one
@@ -324,6 +325,8 @@ def _pallas(
     )
     if relative_bias is not None:
         out_p, lse_p = context(q, k_new, v_new, batch)
+    elif meta.decode_only:  # static: a generation-only plan needs no flash kernel at all
+        out_p = lse_p = None
     else:
         # A step of generation rows only skips the flash kernel: its launch alone (one
         # program per head and potential tile, each holding an SM's shared memory while
@@ -369,8 +372,12 @@ def _pallas(
             **quant_out,
         )
         from_decode = decode_rows[rows]
-        out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
-        lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
+        if out_p is None:  # decode_only: every real token is its row's one token
+            real &= from_decode
+            out, lse = out_d[rows], lse_d[rows].T
+        else:
+            out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
+            lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
     # Padding tokens: no tile wrote them.
     out = jnp.where(real[:, None, None], out, jnp.zeros((), out_dtype)).astype(out_dtype)
     lse = jnp.where(real[None, :], lse, -jnp.inf)

@@ -203,14 +203,14 @@ class World:
         )
 
     # --------------------------------------------------------------- one step
-    def plan(self, call, *, max_tokens, max_seqs) -> Plan:
+    def plan(self, call, *, max_tokens, max_seqs, decode_only=False) -> Plan:
         """call: rows `(seq or None, prefix, q_len)` in batch order."""
         q_lens = [n for _, _, n in call]
         ctx = [a + n for _, a, n in call]
         tables = [self.pages[s][: -(-c // P)] if c else [] for (s, _, _), c in zip(call, ctx)]
         meta = jaxattn.AttentionMetadata.from_lists(
             q_lens, ctx, tables, P, max_tokens=max_tokens, max_seqs=max_seqs,
-            max_pages=self.max_pages,
+            max_pages=self.max_pages, decode_only=decode_only,
         )  # fmt: skip
         positions = np.zeros(max_tokens, np.int64)
         slots = np.full(max_tokens, -1, np.int64)
@@ -311,8 +311,9 @@ class World:
                 got = slot_rows(getattr(after, f"{kind}_scales"))[written].astype(np.float32)
                 np.testing.assert_array_equal(got, scales, f"{what} {kind}: group scales")
 
-    def step(self, call, fn, *, max_tokens, max_seqs, oracle_kw, return_lse=False, what=""):
-        plan = self.plan(call, max_tokens=max_tokens, max_seqs=max_seqs)
+    def step(self, call, fn, *, max_tokens, max_seqs, oracle_kw, return_lse=False, what="",
+             decode_only=False):  # fmt: skip
+        plan = self.plan(call, max_tokens=max_tokens, max_seqs=max_seqs, decode_only=decode_only)
         result = fn(plan.q, plan.k, plan.v, self.cache, plan.meta)
         return plan, self.check(plan, result, oracle_kw=oracle_kw, return_lse=return_lse,
                                 what=what)  # fmt: skip
@@ -345,9 +346,10 @@ MIXED = (
 )
 
 
-def run_two_calls(rows, opts: Opts, impl, dtype, quant=None, seed=0):
-    """The first call writes every prefix (context rows), the second runs `rows` mixed;
-    both in random batch order through one jitted function, both checked."""
+def run_two_calls(rows, opts: Opts, impl, dtype, quant=None, seed=0, decode_only=False):
+    """The first call writes every prefix (context rows), the second runs `rows` mixed
+    (a `decode_only` plan if asked); both in random batch order through one jitted
+    function, both checked."""
     rng = util.rng_for("paged", opts.name, str(quant), dtype, seed)
     impl_kw, oracle_kw = opts.kwargs(rng)
     lengths = [r.prefix + r.new for r in rows]
@@ -360,7 +362,8 @@ def run_two_calls(rows, opts: Opts, impl, dtype, quant=None, seed=0):
     fn = attention_fn(impl, opts, impl_kw)
     for i, call in enumerate(calls):
         world.step(call, fn, max_tokens=max_tokens, max_seqs=len(rows) + 2,
-                   oracle_kw=oracle_kw, return_lse=opts.return_lse, what=f"call {i}")  # fmt: skip
+                   oracle_kw=oracle_kw, return_lse=opts.return_lse, what=f"call {i}",
+                   decode_only=decode_only and i == 1)  # fmt: skip
     return world
 
 
@@ -376,6 +379,37 @@ HEADS = [
 @pytest.mark.parametrize("opts", HEADS, ids=str)
 def test_mixed_batch(opts, dtype, impl):
     run_two_calls(MIXED, opts, impl, dtype)
+
+
+# A generation-only step, planned as such (`decode_only`: the decode kernel alone).
+GENERATION = (Row(9, 1), Row(4, 1), Row(0, 1), Row(3, 1), Row(5, 0), Row(0, 0), Row(7, 1))
+
+
+@impls
+@dtypes
+@pytest.mark.parametrize(
+    "opts",
+    [
+        Opts("gqa", hkv=2, return_lse=True),
+        Opts("window_sinks_alibi", window=4, sink_tokens=1, alibi=True, poison="huge"),
+    ],
+    ids=str,
+)
+def test_decode_only_plan(opts, dtype, impl):
+    run_two_calls(GENERATION, opts, impl, dtype, decode_only=True)
+
+
+def test_decode_only_plan_rejects_context_rows():
+    with pytest.raises(ValueError, match="decode_only=True needs q_lens <= 1"):
+        jaxattn.AttentionMetadata.from_lists(
+            [1, 2], [3, 4], [[0], [1]], P, max_tokens=4, max_seqs=2, max_pages=2,
+            decode_only=True,
+        )  # fmt: skip
+    meta = jaxattn.AttentionMetadata.from_lists(
+        [1, 2], [3, 4], [[0], [1]], P, max_tokens=4, max_seqs=2, max_pages=2
+    )
+    bad = dataclasses.replace(meta, decode_only=True)
+    assert bool(meta.check()["ok"]) and not bool(bad.check()["decode_only_rows"])
 
 
 # ------------------------------------------------------------------------ options

@@ -6,7 +6,9 @@ model over prompt chunks and generation tokens at once (`Llama.step`, through
 
 Static shapes: a step's tokens are padded to the smallest of a few token buckets (T), its
 rows to `max_seqs` (S), page tables to `max_pages_per_seq` (M), so a run compiles the step
-once per token bucket it uses (`Engine.compilations` counts the traces). The KV caches (one
+once per bucket it uses: a token bucket, and whether the step has prompt chunks (steps of
+generation rows only run the decode kernel alone: `AttentionMetadata.decode_only`).
+`Engine.compilations` counts the traces. The KV caches (one
 `PagedKVCache` per layer) and the manager are donated to the step: updated in place.
 
     engine = Engine(model, EngineConfig(num_pages=256, page_size=16, max_seqs=8,
@@ -103,14 +105,17 @@ class StepInputs:
     seeds: Int[Array, " S"]
 
 
-def _serve_step(graphdef, on_trace, state, caches, mgr, inputs: StepInputs, key):
+def _serve_step(graphdef, on_trace, state, caches, mgr, inputs: StepInputs, key, decode_only):
     """One step (jitted; caches and mgr donated): `(tokens int32 [S], ok, caches, mgr)`,
-    ok False when the pool could not hold the rows (the scheduler prevents it)."""
+    ok False when the pool could not hold the rows (the scheduler prevents it).
+    decode_only (static): every row generates (no prompt chunk): the decode kernel alone."""
     on_trace()
     model = nnx.merge(graphdef, state)
     mgr = mgr.release(inputs.release)
     mgr, ok = mgr.reserve(inputs.seq_ids, inputs.lengths)
-    meta = AttentionMetadata.build(mgr, inputs.seq_ids, inputs.q_lens, inputs.tokens.shape[0])
+    meta = AttentionMetadata.build(
+        mgr, inputs.seq_ids, inputs.q_lens, inputs.tokens.shape[0], decode_only=decode_only
+    )
     logits, caches = model.step(inputs.tokens, caches, meta, logits_indices=inputs.last)
     keys = row_keys(key, inputs.seeds, inputs.lengths)
     tokens = sample(logits, keys, inputs.temperature, inputs.top_k, inputs.top_p)
@@ -147,7 +152,9 @@ class Engine:
         self.stats = RunStats(num_pages=config.num_pages)
         graphdef, self._state = nnx.split(model)
         self._step = jax.jit(
-            functools.partial(_serve_step, graphdef, self._count_trace), donate_argnums=(1, 2)
+            functools.partial(_serve_step, graphdef, self._count_trace),
+            donate_argnums=(1, 2),
+            static_argnames="decode_only",
         )
         self._release = jax.jit(KVCacheManager.release, donate_argnums=0)
         self._key = jax.random.key(seed)
@@ -158,7 +165,8 @@ class Engine:
 
     @property
     def compilations(self) -> int:
-        """Traces (so compilations) of the serving step so far: one per token bucket used."""
+        """Traces (so compilations) of the serving step so far: one per bucket used (a token
+        bucket, with or without prompt chunks)."""
         return self.stats.compilations
 
     @property
@@ -226,9 +234,10 @@ class Engine:
         inputs = self._inputs(rows)
         pages = scheduler.pages_after(rows)
         prompt_tokens = sum(n for r, n in rows if r.prefilling)
+        decode_only = not any(r.prefilling for r, _ in rows)
         traces, start = self.compilations, time.perf_counter()
         tokens, ok, self.caches, self.manager = self._step(
-            self._state, self.caches, self.manager, inputs, self._key
+            self._state, self.caches, self.manager, inputs, self._key, decode_only=decode_only
         )
         sampled, ok = jax.device_get((tokens, ok))
         seconds = time.perf_counter() - start
@@ -236,7 +245,7 @@ class Engine:
             raise RuntimeError("Engine.step: reserve failed; the scheduler's page count is off")
         events = scheduler.complete(rows, sampled[: len(rows)])
         self.stats.record_step(
-            bucket=len(inputs.tokens),
+            bucket=(len(inputs.tokens), decode_only),
             prompt_tokens=prompt_tokens,
             generated=len(events),
             finished=sum(r.status is Status.FINISHED for r, _ in events),

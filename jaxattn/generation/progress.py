@@ -49,8 +49,10 @@ class ProgressBar:
 class RunStats:
     """Counters of an engine since its creation.
 
-    steps: serving steps run; compilations: traces of the jitted step (one per token
-    bucket used); buckets_used: the token buckets of those steps; prompt_tokens and
+    steps: serving steps run; compilations: traces of the jitted step (one per bucket
+    used); buckets_used: the buckets of those steps, `(tokens, decode_only)`: the token
+    bucket, and whether the step had generation rows only (a plan of its own, see
+    `jaxattn.AttentionMetadata.decode_only`); prompt_tokens and
     generated_tokens: tokens written from prompts, and sampled; finished, rejected:
     requests; peak_pages: most cache pages held at once (of num_pages); wall_s: time in
     steps; compile_s: the part of it spent in steps that compiled.
@@ -59,7 +61,7 @@ class RunStats:
     num_pages: int
     steps: int = 0
     compilations: int = 0
-    buckets_used: set[int] = dataclasses.field(default_factory=set)
+    buckets_used: set[tuple[int, bool]] = dataclasses.field(default_factory=set)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finished: int = 0
@@ -71,8 +73,9 @@ class RunStats:
     def record_step(
         self, *, bucket, prompt_tokens, generated, finished, pages, seconds, compiled
     ) -> None:
-        """Counts one step: its token bucket, prompt tokens written, tokens sampled,
-        requests finished, pages held after it, its time, and whether it compiled."""
+        """Counts one step: its bucket `(tokens, decode_only)`, prompt tokens written,
+        tokens sampled, requests finished, pages held after it, its time, and whether it
+        compiled."""
         self.steps += 1
         self.buckets_used.add(bucket)
         self.prompt_tokens += prompt_tokens
@@ -103,7 +106,10 @@ class RunStats:
                 f" ({self.warm_tokens_per_s:.1f} tokens/s without the {self.compile_s:.2f} s "
                 "of compiling steps)",
                 f"peak pages in use: {self.peak_pages} of {self.num_pages}",
-                f"compilations: {self.compilations} (token buckets used: "
-                f"{sorted(self.buckets_used)})",
+                f"compilations: {self.compilations} (buckets used: "
+                + ", ".join(
+                    f"{t}" + (" decode-only" if d else "") for t, d in sorted(self.buckets_used)
+                )
+                + ")",
             ]
         )
