@@ -37,20 +37,10 @@ def _check(
     soft_cap,
     scale,
 ):
-    if not isinstance(cache, PagedKVCache):
-        raise ValueError(f"cache: expected a jaxattn.PagedKVCache, got {type(cache)}")
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape}: expected rank 3 [B, Hq, D]")
-    batch, num_q_heads, head_dim = q.shape
-    if head_dim != cache.head_dim:
-        raise ValueError(f"{q.shape=} and {cache.k_pages.shape=}: head_dim differs")
-    if num_q_heads % cache.num_kv_heads:
-        raise ValueError(
-            f"{q.shape=} and {cache.k_pages.shape=}: num_q_heads must be a multiple of num_kv_heads"
-        )
-    cache.check()
-    if cache.quant is None and q.dtype != cache.dtype:
-        raise ValueError(f"{q.dtype=} and {cache.dtype=}: q and the cache must share a dtype")
+    batch, num_q_heads, _ = q.shape
+    validation.check_cache(q, cache)
     if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype.itemsize < 2:
         raise ValueError(f"{q.dtype=}: expected float32, bfloat16 or float16")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:

@@ -48,7 +48,8 @@ Worked example (FlashInfer-style), P = 4, 8 pages, 3 sequence rows:
 Beam search (`fork`): a forked row shares its source's full pages (counts > 1) and gets
 a copy of a partly filled last page, so every row owns the page it writes next. Pages are
 only ever appended (`reserve`), so no row writes into a shared page; a shared page is
-free once its last holder is released.
+free once its last holder is released. (A cyclic cache rewrites every page of its ring:
+there a fork shares only full pages of sink tokens and copies all the others.)
 
     >>> mgr, copy_src, copy_dst, ok = mgr.fork(jnp.array([1, 1]), jnp.array([0, -1]))
     >>> bool(ok), mgr.block_tables.tolist(), mgr.refcounts.tolist()
@@ -316,29 +317,39 @@ class KVCacheManager:
 
     def fork(
         self, src_ids: Int[Array, " B"], dst_ids: Int[Array, " B"]
-    ) -> tuple[KVCacheManager, Int[Array, " B"], Int[Array, " B"], Bool[Array, ""]]:
+    ) -> tuple[KVCacheManager, Int[Array, " C"], Int[Array, " C"], Bool[Array, ""]]:
         """Row `dst_ids[b]` becomes a copy of row `src_ids[b]` (beam search); all or nothing.
 
-        The copy has the source's length and shares its full pages (each page's count goes
-        up by one). A partly filled last page is not shared: the copy gets a fresh page for
-        it (copy-on-write, done at fork time so every row owns the page it writes next), and
-        the caller copies its contents with `jaxattn.copy_pages(cache, copy_src, copy_dst)`.
-        Fresh pages are the lowest free page ids, given out in pair order. A source may fork
-        to several destinations (beam width k: k - 1 pairs); every pair reads the rows as
-        they were before the call.
+        The copy has the source's length and shares the source's pages that will never be
+        written again (each shared page's count goes up by one); every other page the source
+        holds is copied into a fresh page at the same table column (copy-on-write, done at
+        fork time so every row owns every page it writes next), and the caller copies
+        their contents with `jaxattn.copy_pages(cache, copy_src, copy_dst)`:
+
+        - without a window, the full pages are shared and a partly filled last page is
+          copied (at most one copy per pair);
+        - in a cyclic cache (`ring = (kept, size)`), only full pages holding nothing but
+          kept positions (sink tokens, column < kept // P) are shared. Every page of the
+          ring is overwritten as the ring cycles, so all of them are copied, as is a partly
+          filled page of sinks (up to `max_pages_per_seq` copies per pair).
+
+        Fresh pages are the lowest free page ids, given out in pair order (a pair's pages
+        in column order). A source may fork to several destinations (beam width k: k - 1
+        pairs); every pair reads the rows as they were before the call.
 
         Args:
           src_ids, dst_ids: int `[B]`; a pair with an id < 0 is padding (ignored).
 
         Returns:
-          `(manager, copy_src, copy_dst, ok)`: copy_src, copy_dst int32 `[B]`, the page to
-          copy and where to, for pair b; -1 where nothing is to copy. ok is a bool scalar:
-          False when a destination is not empty (length 0), appears twice, an id is
-          >= `max_seqs`, or the pool has too few free pages; then the manager is returned
-          unchanged (every array bit-identical) and both copy vectors are all -1.
+          `(manager, copy_src, copy_dst, ok)`: the pages to copy and where to, -1 where
+          nothing is to copy (`copy_pages` skips those), in one of two shapes (C):
+          without a window, int32 `[B]`: pair b's copy; in a cyclic cache, int32
+          `[B * max_pages_per_seq]`, pair-major: entry `b * max_pages_per_seq + j` is pair
+          b's copy of table column j. ok is a bool scalar: False when a destination is not
+          empty (length 0), appears twice, an id is >= `max_seqs`, or the pool has too few
+          free pages; then the manager is returned unchanged (every array bit-identical)
+          and both copy vectors are all -1.
         """
-        if self.ring is not None:
-            raise NotImplementedError("fork: cyclic (window) caches cannot fork yet")
         src_ids = _int_vector("fork", "src_ids", src_ids)
         dst_ids = _int_vector("fork", "dst_ids", dst_ids, src_ids.shape[0])
         P, S, N, M = self.page_size, self.max_seqs, self.num_pages, self.max_pages_per_seq
@@ -347,33 +358,40 @@ class KVCacheManager:
         src, dst = jnp.clip(src_ids, 0, S - 1), jnp.where(live, dst_ids, S)
         dst_uses = jnp.zeros((S,), jnp.int32).at[dst].add(1, mode="drop")
         length = jnp.where(live, self.lengths[src], 0)  # [B]
-        full = length // P  # shared pages of each copy
-        cow = live & (length % P > 0)  # [B]: the last page is copied
-        fresh = jnp.nonzero(self.refcounts == 0, size=src_ids.shape[0], fill_value=-1)[0]
-        fresh = jnp.where(cow, fresh[jnp.cumsum(cow) - 1], -1)  # the k-th copy: k-th free
+        held = self._pages_for(length)  # [B]
+        # Pages never written again: full ones, and in a ring only those of sinks alone.
+        num_shared = length // P  # [B]
+        if self.ring is not None:
+            num_shared = jnp.minimum(num_shared, self.ring[0] // P)
+        col = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M]
+        shared = col < num_shared[:, None]  # [B, M]
+        copied = ~shared & (col < held[:, None])  # [B, M]
+        flat = copied.ravel()  # pair-major: the k-th copy takes the k-th free page
+        free = jnp.nonzero(self.refcounts == 0, size=flat.shape[0], fill_value=-1)[0]
+        fresh = jnp.where(flat, free[jnp.cumsum(flat) - 1], -1).reshape(copied.shape)
         ok = (
             jnp.all(~live | ((src_ids < S) & (dst_ids < S)))
             & jnp.all(dst_uses <= 1)
             & jnp.all((self.lengths[jnp.minimum(dst, S - 1)] == 0) | ~live)
-            & (jnp.sum(cow) <= self.num_free_pages)
+            & (jnp.sum(flat) <= self.num_free_pages)
         )
 
-        col = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M]
         rows = self.block_tables[src]  # [B, M]
-        shared = col < full[:, None]
-        rows = jnp.where(shared, rows, jnp.where(col == full[:, None], fresh[:, None], -1))
-        refs = jnp.where(shared, rows, N)
-        refcounts = self.refcounts.at[refs.ravel()].add(1, mode="drop")
-        refcounts = refcounts.at[jnp.where(cow, fresh, N)].set(1, mode="drop")
+        new_rows = jnp.where(shared, rows, fresh)  # fresh is -1 past the copied pages
+        refcounts = self.refcounts.at[jnp.where(shared, rows, N).ravel()].add(1, mode="drop")
+        refcounts = refcounts.at[jnp.where(copied, fresh, N).ravel()].set(1, mode="drop")
         forked = dataclasses.replace(
             self,
-            block_tables=self.block_tables.at[dst].set(rows, mode="drop"),
+            block_tables=self.block_tables.at[dst].set(new_rows, mode="drop"),
             lengths=self.lengths.at[dst].set(length, mode="drop"),
             refcounts=refcounts,
         )
         forked = jax.tree.map(lambda new, old: jnp.where(ok, new, old), forked, self)
-        partial = self.block_tables[src, jnp.minimum(full, M - 1)]  # [B] source's last page
-        return forked, jnp.where(ok & cow, partial, -1), jnp.where(ok & cow, fresh, -1), ok
+        copy_src = jnp.where(ok & copied, rows, -1)  # [B, M]
+        copy_dst = jnp.where(ok & copied, fresh, -1)
+        if self.ring is None:  # at most one copy per pair (its last page): [B]
+            return forked, jnp.max(copy_src, axis=1), jnp.max(copy_dst, axis=1), ok
+        return forked, copy_src.ravel(), copy_dst.ravel(), ok
 
     def slot_mapping(
         self, seq_ids: Int[Array, " T"], positions: Int[Array, " T"]
@@ -415,6 +433,8 @@ class KVCacheManager:
           (so free + used = total and no free page is in a table).
         partial_pages_exclusive: a row's partly filled last page (the one it writes next)
           is its own (count 1): `fork` shares full pages only.
+        ring_pages_exclusive: in a cyclic cache, every page a row holds at a column the
+          ring cycles through (>= kept // P) is its own: it will be overwritten.
         exclusive: no page is shared (count <= 1). Informational, not part of "ok": it
           turns False when `fork` shares pages between beams.
         """
@@ -438,6 +458,10 @@ class KVCacheManager:
         partial = (self.lengths % P > 0) & (last >= 0)
         checks["partial_pages_exclusive"] = jnp.all(
             ~partial | (self.refcounts[jnp.clip(last, 0, N - 1)] == 1)
+        )
+        rewritten = (t >= 0) & (col >= (M if self.ring is None else self.ring[0] // P))
+        checks["ring_pages_exclusive"] = jnp.all(
+            ~rewritten | (self.refcounts[jnp.clip(t, 0, N - 1)] == 1)
         )
         checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
         checks["exclusive"] = jnp.all(self.refcounts <= 1)

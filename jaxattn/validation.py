@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.cache import PagedKVCache
 from jaxattn.positional import RelativeBias
 from pallas_kernels.common import use_interpret
 
@@ -46,6 +47,30 @@ def check_qkv(q, k, v, *, packed: bool) -> None:
         _fail(f"{q.shape=} and {k.shape=}: num_q_heads must be a multiple of num_kv_heads")
     if not (q.dtype == k.dtype == v.dtype):
         _fail(f"{q.dtype=}, {k.dtype=}, {v.dtype=}: q, k and v must share a dtype")
+
+
+def check_cache(q, cache, *, k=None) -> None:
+    """The cache against the op's inputs (`paged_decode`, `paged_attention`): a
+    `PagedKVCache` whose own shapes agree (`cache.check`), q's heads and head_dim matching
+    it, or with `k` (the new keys `[T, Hkv, D]`, whose heads match q's) k's matching it,
+    and q in the cache's dtype unless the cache is quantized."""
+    if not isinstance(cache, PagedKVCache):
+        _fail(f"cache: expected a jaxattn.PagedKVCache, got {type(cache)}")
+    if k is not None:
+        if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
+            _fail(
+                f"{k.shape=}: expected [T, num_kv_heads={cache.num_kv_heads}, "
+                f"head_dim={cache.head_dim}] for a cache of {cache.k_pages.shape=}"
+            )
+    elif q.shape[-1] != cache.head_dim:
+        _fail(f"{q.shape=} and {cache.k_pages.shape=}: head_dim differs")
+    elif q.shape[-2] % cache.num_kv_heads:
+        _fail(
+            f"{q.shape=} and {cache.k_pages.shape=}: num_q_heads must be a multiple of num_kv_heads"
+        )
+    cache.check()
+    if cache.quant is None and q.dtype != cache.dtype:
+        _fail(f"{q.dtype=} and {cache.dtype=}: q and the cache must share a dtype")
 
 
 def check_int_vector(name: str, x, length: int) -> None:

@@ -19,6 +19,7 @@ import util
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import attention_oracle
+from paged_oracle import step_oracle
 
 import jaxattn
 from jaxattn.manager import KVCacheManager, pad_ids
@@ -133,21 +134,19 @@ def test_fork_rejects_bad_arguments_at_trace_time():
         )
 
 
-seq_id = st.integers(-1, S - 1)
-op = st.one_of(
-    st.tuples(st.just("reserve"), st.lists(st.tuples(seq_id, st.integers(0, M * P)), max_size=R)),
-    st.tuples(st.just("release"), st.lists(seq_id, max_size=R)),
-    st.tuples(st.just("fork"), st.lists(st.tuples(seq_id, seq_id), max_size=R)),
-)
+def fork_copies(copy_src, copy_dst, b: int, ring: bool) -> list[tuple[int, int]]:
+    """Pair b's (source page, fresh page) copies, in column order: one entry per pair
+    `[B]`, or in a cyclic cache `max_pages_per_seq` entries per pair `[B * M]`."""
+    cs, cd = copy_src.tolist(), copy_dst.tolist()
+    cs, cd = (cs[b * M : (b + 1) * M], cd[b * M : (b + 1) * M]) if ring else ([cs[b]], [cd[b]])
+    return [(x, y) for x, y in zip(cs, cd) if x >= 0 or y >= 0]
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(op, min_size=1, max_size=14))
-def test_random_fork_reserve_release_keep_invariants(steps):
-    """check() holds after every step (refcounts equal table references, the page a row
-    writes next is its own), forked rows read their source's tokens, and releasing
-    everything frees every page."""
-    mgr = new_manager()
+def run_random_steps(mgr: KVCacheManager, steps):
+    """check() holds after every step (refcounts equal table references, the pages a row
+    writes next are its own), forked rows share the pages never written again and copy the
+    others, failed calls change nothing, and releasing everything frees every page."""
+    ring = mgr.ring
     for kind, args in steps:
         before = mgr
         if kind == "release":
@@ -157,22 +156,109 @@ def test_random_fork_reserve_release_keep_invariants(steps):
         else:
             src, dst = [s for s, _ in args], [d for _, d in args]
             mgr, copy_src, copy_dst, ok = FORK(mgr, ids(src), ids(dst))
+            assert copy_src.shape == copy_dst.shape == (R if ring is None else R * M,)
             if ok:
-                for s, d, cs, cd in zip(src, dst, copy_src.tolist(), copy_dst.tolist()):
+                for b, (s, d) in enumerate(zip(src, dst)):
                     if s < 0 or d < 0:
                         continue
                     n = int(before.lengths[s])
                     assert int(mgr.lengths[d]) == n
-                    full = n // P
+                    shared = n // P if ring is None else min(n // P, ring[0] // P)
+                    held = int(before.pages_held[s])
                     table, src_table = mgr.block_tables[d].tolist(), before.block_tables[s]
-                    assert table[:full] == src_table[:full].tolist()
-                    assert (cs, cd) == ((src_table[full], table[full]) if n % P else (-1, -1))
+                    assert table[:shared] == src_table[:shared].tolist()
+                    want = [(int(src_table[j]), table[j]) for j in range(shared, held)]
+                    assert fork_copies(copy_src, copy_dst, b, ring is not None) == want
         if kind != "release" and not ok:
             for x, y in zip(arrays(mgr), arrays(before)):
                 np.testing.assert_array_equal(x, y)
         assert_ok(mgr, exclusive=bool(CHECK(mgr)["exclusive"]))
     mgr = RELEASE(RELEASE(mgr, ids([0, 1, 2])), ids([3, 4, 5]))
-    assert int(mgr.num_free_pages) == N
+    assert int(mgr.num_free_pages) == N and not mgr.refcounts.any()
+
+
+def ops(max_length: int):
+    seq_id = st.integers(-1, S - 1)
+    return st.one_of(
+        st.tuples(
+            st.just("reserve"), st.lists(st.tuples(seq_id, st.integers(0, max_length)), max_size=R)
+        ),
+        st.tuples(st.just("release"), st.lists(seq_id, max_size=R)),
+        st.tuples(st.just("fork"), st.lists(st.tuples(seq_id, seq_id), max_size=R)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(ops(M * P), min_size=1, max_size=14))
+def test_random_fork_reserve_release_keep_invariants(steps):
+    run_random_steps(new_manager(), steps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(ops(4 * M * P), min_size=1, max_size=14))  # rows wrap their ring
+def test_random_ring_fork_reserve_release_keep_invariants(steps):
+    run_random_steps(ring_manager(), steps)
+
+
+# ---------------------------------------------------------------- cyclic (window) caches
+WINDOW, SINKS = 7, 5  # with P = 4: 4 pages a row, ring = (kept 5, size 11)
+
+
+def ring_manager(num_pages: int = N) -> KVCacheManager:
+    pages = KVCacheManager.window_pages(WINDOW, SINKS, P)
+    assert pages == M
+    return KVCacheManager.create(num_pages, P, S, pages, window=WINDOW, sink_tokens=SINKS)
+
+
+@pytest.mark.parametrize(
+    "length, shared, copied",
+    [
+        (3, 0, [0]),  # sinks only, partly filled: copied
+        (4, 1, []),  # page 0 full of sinks: shared, nothing to copy
+        (9, 1, [1, 2]),  # page 1 holds sink 4 and ring positions: copied
+        (16, 1, [1, 2, 3]),  # the ring full, not wrapped yet
+        (30, 1, [1, 2, 3]),  # wrapped
+    ],
+)
+def test_ring_fork_shares_full_sink_pages_and_copies_the_ring(length, shared, copied):
+    mgr, ok = RESERVE(ring_manager(), ids([0]), ids([length]))
+    assert bool(ok)
+    src_table = mgr.block_tables[0].tolist()
+    held = len(copied) + shared
+    mgr, copy_src, copy_dst, ok = FORK(mgr, ids([0, -1, 0]), ids([1, 3, 2]))  # width 3
+    assert bool(ok) and copy_src.shape == copy_dst.shape == (R * M,)
+    fresh = iter(range(held, held + 2 * len(copied)))  # lowest free ids, in pair order
+    want_src, want_dst = [-1] * (R * M), [-1] * (R * M)
+    for b, d in ((0, 1), (2, 2)):
+        table = mgr.block_tables[d].tolist()
+        assert table[:shared] == src_table[:shared] and table[held:] == [-1] * (M - held)
+        for j in copied:
+            want_src[b * M + j], want_dst[b * M + j] = src_table[j], next(fresh)
+            assert table[j] == want_dst[b * M + j]
+    assert copy_src.tolist() == want_src and copy_dst.tolist() == want_dst
+    assert mgr.lengths.tolist()[:4] == [length, length, length, 0]
+    refs = mgr.refcounts.tolist()
+    assert [refs[p] for p in src_table[:shared]] == [3] * shared
+    assert all(refs[p] == 1 for p in src_table[shared:held] + want_dst if p >= 0)
+    assert_ok(mgr, exclusive=not shared)
+    for row in (0, 1, 2):  # any release order frees everything
+        mgr = RELEASE(mgr, ids([row]))
+        assert_ok(mgr, exclusive=row > 0 or not shared)
+    assert int(mgr.num_free_pages) == N and not mgr.refcounts.any()
+
+
+def test_ring_fork_short_pool_changes_nothing():
+    mgr, ok = RESERVE(ring_manager(num_pages=10), ids([0, 1]), ids([30, 2]))  # 5 pages held
+    assert bool(ok) and int(mgr.num_free_pages) == 5
+    # Width 3: 2 x 3 ring pages to copy, 5 free pages: neither pair forks.
+    after, copy_src, copy_dst, ok = FORK(mgr, ids([0, 0]), ids([2, 3]))
+    assert not bool(ok)
+    assert copy_src.tolist() == [-1] * (R * M) and copy_dst.tolist() == [-1] * (R * M)
+    for x, y in zip(arrays(after), arrays(mgr)):
+        np.testing.assert_array_equal(x, y)
+    after, copy_src, copy_dst, ok = FORK(mgr, ids([0, 1]), ids([2, 3]))  # 3 + 1 copies fit
+    assert bool(ok) and int(after.num_free_pages) == 1
+    assert_ok(after, exclusive=False)
 
 
 # ---------------------------------------------------------------- copy-on-write
@@ -221,6 +307,74 @@ def test_copy_pages_skips_padding_and_reads_before_writing():
         np.testing.assert_array_equal(got, np.asarray(pool)[[1, 0, 2, 3, 4]])  # a swap
     with pytest.raises(ValueError, match="copy_pages"):
         jaxattn.copy_pages(cache, jnp.array([0, 1]), jnp.array([1]))
+
+
+@pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
+@pytest.mark.parametrize("fork_at", [3, 9, 26], ids=lambda n: f"fork_at{n}")
+def test_ring_fork_beams_diverge_over_ring_wraps(impl, fork_at):
+    """A cyclic row forks (at 3 tokens: sinks partly written; 9: a full sink page shared;
+    26: the ring wrapped) and its pages are copied; then the two beams append different
+    tokens, in chunks of 1 to 3 for three ring wraps, through `paged_attention` (one-token
+    rows take the decode kernel, chunks the flash kernel). Every output of each beam
+    equals the windowed float64 oracle on its own history, the manager's invariants hold,
+    and releasing both beams frees every page."""
+    rng = util.rng_for("ring_fork", impl, fork_at)
+    hkv, d, max_tokens = 2, 32, 32
+    mgr = ring_manager()
+    total = fork_at + 3 * mgr.ring[1]
+    # Each beam's history, float32 values: the beams agree before the fork.
+    hist = [np.float32(rng.standard_normal((2, total, h, d))).astype(np.float64)
+            for h in (HQ, hkv, hkv)]  # fmt: skip
+    for x in hist:
+        x[1, :fork_at] = x[0, :fork_at]
+    cache = jaxattn.PagedKVCache.create(N, P, hkv, d, dtype=jnp.float32)
+    cache = jaxattn.PagedKVCache(
+        *(jnp.full_like(x, jnp.nan) for x in (cache.k_pages, cache.v_pages))
+    )
+    opts = dict(window=WINDOW, sink_tokens=SINKS)
+
+    @jax.jit
+    def step(mgr, cache, seq_ids, lengths, q_lens, q, k, v):
+        mgr, ok = mgr.reserve(seq_ids, lengths)
+        meta = jaxattn.AttentionMetadata.build(mgr, seq_ids, q_lens, max_tokens)
+        out, cache = jaxattn.paged_attention(q, k, v, cache, meta, implementation=impl, **opts)
+        return mgr, cache, out, ok
+
+    def run(mgr, cache, done, q_lens):
+        """Beams 0 and 1 append q_lens[b] tokens after their done[b]; outputs checked."""
+        packed = [np.full((max_tokens, x.shape[2], d), np.nan) for x in hist]
+        want = np.zeros((max_tokens, HQ, d))
+        t = 0
+        for b, n in enumerate(q_lens):
+            for x, y in zip(packed, hist):
+                x[t : t + n] = y[b, done[b] : done[b] + n]
+            ctx = done[b] + n
+            history = [(hist[1][b], hist[2][b])]
+            want[t : t + n] = step_oracle(hist[0][b, done[b] : ctx], [0, n], [ctx], history,
+                                          **opts)[0]  # fmt: skip
+            t += n
+        lengths = [done[b] + n for b, n in enumerate(q_lens)]
+        mgr, cache, out, ok = step(
+            mgr, cache, *(jnp.asarray(x, jnp.int32) for x in ([0, 1], lengths, q_lens)),
+            *(jnp.asarray(x, jnp.float32) for x in packed),
+        )  # fmt: skip
+        assert bool(ok)
+        util.assert_out_close(out[:t], want[:t], "float32", what=f"{impl} at {done}+{q_lens}")
+        util.assert_zero_rows(out[t:], True, "padding tokens")
+        return mgr, cache, lengths
+
+    mgr, cache, _ = run(mgr, cache, [0, 0], [fork_at, 0])
+    mgr, copy_src, copy_dst, ok = FORK(mgr, ids([0]), ids([1]))
+    assert bool(ok) and int((copy_dst >= 0).sum()) == mgr.pages_held[0] - (fork_at >= 4)
+    cache = jax.jit(jaxattn.copy_pages, donate_argnums=0)(cache, copy_src, copy_dst)
+    assert_ok(mgr, exclusive=fork_at < 4)
+    done = [fork_at, fork_at]
+    while min(done) < total:
+        q_lens = [min(int(rng.integers(1, 4)), total - n) for n in done]
+        mgr, cache, done = run(mgr, cache, done, q_lens)
+    assert_ok(mgr, exclusive=fork_at < 4)
+    mgr = RELEASE(mgr, ids([0, 1]))
+    assert int(mgr.num_free_pages) == N and not mgr.refcounts.any()
 
 
 # ---------------------------------------------------------------- cache indirection
