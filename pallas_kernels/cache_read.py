@@ -23,6 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.codes import codes_to_bf16
 from pallas_kernels.common import next_power_of_2
 
 
@@ -60,8 +61,10 @@ def ring_position(t, ring: tuple[int, int] | None):
     return jnp.where(t < kept, t, kept + (jnp.maximum(t - kept, 0) % size))
 
 
-def _decode(raw, fmt: CacheFormat, dtype) -> list:
+def _decode(raw, fmt: CacheFormat, dtype, asm: bool) -> list:
     """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part."""
+    if fmt.dtype is not None and dtype == jnp.bfloat16:
+        return codes_to_bf16(raw, fmt.dtype, asm=asm)
     if fmt.dtype != "int4":
         return [raw.astype(dtype)]
     wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
@@ -78,9 +81,12 @@ def row_scale(scale_ref, at, t_ok):
     return plgpu.load(row, mask=t_ok, other=1).astype(jnp.float32)
 
 
-def read_kv(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype):
+def read_kv(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, asm: bool = False):
     """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
     dequantized except for row scales (`fmt.row_scales`: the caller applies `row_scale`).
+    Codes become bfloat16 values without conversion instructions (`codes.py`; `asm`: on
+    the GPU, not in interpret mode); finer groups multiply by their bfloat16 scale in
+    bfloat16 (one rounding of the exact product, as the reference's).
 
     Args:
       ref: the pool `[N, Hkv, P, Dp]`; scale_ref: None, float32 `[1]` ("tensor") or the
@@ -96,12 +102,13 @@ def read_kv(ref, scale_ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype):
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     raw = plgpu.load(ref.at[pages, kvh, offsets, dims[None, :]], mask=ok, other=other)
     if fmt.dtype is None or fmt.row_scales:
-        return tuple(_decode(raw, fmt, dtype))
+        return tuple(_decode(raw, fmt, dtype, asm))
+    exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = []
-    for p, values in enumerate(_decode(raw, fmt, jnp.float32)):
+    for p, values in enumerate(_decode(raw, fmt, exact, asm)):
         group = (p * part_dim + dims[None, :]) // fmt.group_size
         scale = plgpu.load(scale_ref.at[pages, kvh, offsets, group], mask=ok, other=1)
-        parts.append((values * scale.astype(jnp.float32)).astype(dtype))
+        parts.append((values * scale.astype(exact)).astype(dtype))
     return tuple(parts)
 
 

@@ -1,0 +1,72 @@
+"""`pallas_kernels.codes.codes_to_bf16`: every stored code (all 256 bytes of INT8, FP8
+e4m3 and packed INT4) becomes the exact bfloat16 value, checked bit for bit against
+numpy (ml_dtypes' e4m3 decoding). On a GPU the packed PTX runs; on the CPU the kernel
+runs the plain casts in interpret mode and the PTX path is lowered to Triton only."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import util
+
+from pallas_kernels.codes import codes_to_bf16
+from pallas_kernels.common import whole_array_call
+
+ROWS, COLS = 16, 64  # every byte value 4 times, in an order that mixes them
+BYTES = np.random.default_rng(0).permutation(np.tile(np.arange(256, dtype=np.uint8), 4))
+STORAGE = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.uint8}
+
+
+def expected(dtype: str) -> list[np.ndarray]:
+    """float32 values of BYTES read as `dtype` (INT4: low nibbles, high nibbles)."""
+    if dtype == "int4":
+        return [(((BYTES.astype(np.int32) >> s) & 0xF) ^ 8) - 8 for s in (0, 4)]
+    if dtype == "int8":
+        return [BYTES.view(np.int8).astype(np.float32)]
+    values = BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return [np.where(np.isnan(values), 0, values)]  # 0x7F / 0xFF (NaN) are never stored
+
+
+def _kernel(raw_ref, *out_refs, dtype, asm):
+    raw = raw_ref[...]
+    for ref, values in zip(out_refs, codes_to_bf16(raw, dtype, asm=asm), strict=True):
+        ref[...] = values
+
+
+def convert(raw, dtype: str, *, asm: bool, interpret: bool):
+    parts = 2 if dtype == "int4" else 1
+    return whole_array_call(
+        functools.partial(_kernel, dtype=dtype, asm=asm),
+        [raw],
+        [jax.ShapeDtypeStruct((ROWS, COLS), jnp.bfloat16)] * parts,
+        grid=(1,),
+        num_warps=4,
+        num_stages=1,
+        interpret=interpret,
+        name="codes_to_bf16",
+    )
+
+
+@pytest.mark.parametrize("dtype", list(STORAGE))
+def test_every_code_converts_exactly(dtype):
+    raw = jax.lax.bitcast_convert_type(jnp.asarray(BYTES.view(np.int8)), STORAGE[dtype])
+    raw = raw.reshape(ROWS, COLS)
+    got = convert(raw, dtype, asm=util.ON_GPU, interpret=not util.ON_GPU)
+    for part, (g, want) in enumerate(zip(got, expected(dtype), strict=True)):
+        g = np.asarray(g, np.float32).reshape(-1)
+        nan = np.isnan(BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+        keep = ~nan if dtype == "float8_e4m3fn" else np.ones_like(nan)
+        np.testing.assert_array_equal(g[keep], want[keep], f"{dtype} part {part}")
+
+
+@pytest.mark.parametrize("dtype", list(STORAGE))
+def test_packed_conversion_lowers_to_triton(dtype):
+    spec = jax.ShapeDtypeStruct((ROWS, COLS), STORAGE[dtype])
+    fn = jax.jit(functools.partial(convert, dtype=dtype, asm=True, interpret=False))
+    text = fn.trace(spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
