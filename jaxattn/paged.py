@@ -3,8 +3,9 @@ a serving step over the paged KV cache (TensorRT-LLM's `gpt_attention`, OpenPPL'
 `MultiHeadCacheAttention`).
 
 The step's tokens are packed (`AttentionMetadata`): rows in any order, each a context
-chunk or a generation token. The op rotates q and k (RoPE at `meta.positions`), writes k
-and v into the cache (quantizing), and attends:
+chunk or a generation token. The op rotates q and k (RoPE at `meta.positions`; with
+`rope_on_read`, StreamingLLM, the kernels rotate on read instead: `jaxattn.streaming`),
+writes k and v into the cache (quantizing), and attends:
 
 - generation rows (one new token) run the paged-decode kernel over the updated cache (a
   `decode_only` plan runs that kernel alone);
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from jaxattn import reference, validation
+from jaxattn import reference, streaming, validation
 from jaxattn.cache import PagedKVCache, stored_values, write_kv
 from jaxattn.decode import cache_format
 from jaxattn.dispatch import run_first
@@ -67,22 +68,13 @@ class _Options:
 
 
 def _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias):
-    if not isinstance(cache, PagedKVCache):
-        raise ValueError(f"cache: expected a jaxattn.PagedKVCache, got {type(cache)}")
     if not isinstance(meta, AttentionMetadata):
         raise ValueError(f"meta: expected a jaxattn.AttentionMetadata, got {type(meta)}")
     validation.check_qkv(q, k, v, packed=True)
     num_tokens, num_q_heads, head_dim = q.shape
     if k.shape[0] != num_tokens:
         raise ValueError(f"{q.shape=} and {k.shape=}: q and k/v need one token count T")
-    if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
-        raise ValueError(
-            f"{k.shape=}: expected [T, num_kv_heads={cache.num_kv_heads}, "
-            f"head_dim={cache.head_dim}] for a cache of {cache.k_pages.shape=}"
-        )
-    cache.check()
-    if cache.quant is None and q.dtype != cache.dtype:
-        raise ValueError(f"{q.dtype=} and {cache.dtype=}: q and the cache must share a dtype")
+    validation.check_cache(q, cache, k=k)
     S, M = meta.max_seqs, meta.max_pages
     for name, x, want in (
         ("meta.positions", meta.positions, (num_tokens,)),
@@ -127,6 +119,7 @@ def paged_attention(
     meta: AttentionMetadata,
     *,
     rope: RoPE | None = None,
+    rope_on_read: bool = False,
     window: int | None = None,
     sink_tokens: int = 0,
     alibi_slopes: Float[Array, " Hq"] | None = None,
@@ -150,6 +143,15 @@ def paged_attention(
         slots); build it once per step, pass it to every layer.
       rope: rotate q and k at `meta.positions` (`jaxattn.RoPE`) before writing k; None: q
         and k come rotated (or the model has no RoPE).
+      rope_on_read: StreamingLLM (needs `rope`; not with DynamicNTKScaling): the cache
+        stores k un-rotated, and the kernels rotate q and the keys they read at their
+        positions *within the cache*: for a query at position p, with
+        `o = max(0, p - window + 1 - sink_tokens)` tokens evicted between the sinks and the
+        window (o = 0 without a window), the query sits at `p - o`, key j at `j` if
+        `j < sink_tokens`, else at `j - o`; angles stay below `window + sink_tokens`
+        however long the sequence grows (`jaxattn.streaming`). ALiBi and T5 terms keep
+        the absolute positions. Pair it with a cyclic cache (`KVCacheManager.create(...,
+        window=, sink_tokens=)`) for unbounded generation in bounded memory.
       window, sink_tokens, alibi_slopes, soft_cap, scale, relative_bias: as
         `jaxattn.attention` (positions within each sequence; the attention is causal,
         bottom-right aligned). A cyclic cache (`meta.ring`) needs `window <= ring size`.
@@ -173,8 +175,10 @@ def paged_attention(
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
     )
     _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias)
+    streaming.check_rope_on_read(rope, rope_on_read)
+    read_rope = rope if rope_on_read else None
     out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
-    if rope is not None:
+    if rope is not None and not rope_on_read:
         q = apply_rope(q, meta.positions, rope)
         k = apply_rope(k, meta.positions, rope)
     new_cache = write_kv(cache, k, v, meta.slot_mapping)
@@ -194,6 +198,7 @@ def paged_attention(
                 soft_cap=options.soft_cap,
                 scale=options.scale,
                 relative_bias=relative_bias,
+                read_rope=read_rope,
                 return_lse=True,
                 out_dtype=out_dtype,
                 out_scale=out_scale,
@@ -214,6 +219,7 @@ def paged_attention(
                 config,
                 out_dtype,
                 out_scale,
+                read_rope=read_rope,
             )
         return (out, lse) if return_lse else out
 
@@ -258,6 +264,7 @@ def _pallas(
     config,
     out_dtype,
     out_scale,
+    read_rope=None,
 ):
     """Decode kernel for one-token rows, flash kernel (prefix from pages) for the others.
     With T5 relative bias (which the decode kernel lacks) every row takes the flash kernel.
@@ -295,6 +302,18 @@ def _pallas(
         logit_tiles=relative_bias is not None,
         paged=True,
     )
+    if read_rope is not None and config.prefill is None:
+        # Rotating on read adds float32 cos/sin tiles [block_kv, D] per pipeline stage and
+        # up to four rotated query tiles: the paged tiling (128 x 64, 3 stages) asks for
+        # 304 KiB of shared memory (H100: 227 KiB), 128 x 32 in 2 stages still 336 KiB
+        # with INT4 group scales. 64 x 32, loads not pipelined.
+        prefill_config = dataclasses.replace(
+            prefill_config,
+            block_q=min(prefill_config.block_q, 64),
+            block_kv=min(prefill_config.block_kv, 32),
+            num_stages=1,
+        )
+    rope = _rope_tables(read_rope, q, meta, cache, options, prefill_config.block_q)
     rel = relative_bias
     context = functools.partial(
         flash_prefill,
@@ -309,6 +328,7 @@ def _pallas(
         ),
         alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
         rel_table=None if rel is None else rel.table.astype(jnp.float32),
+        rope=rope,
         params=LogitParams(
             causal=True,
             window=options.window,
@@ -350,6 +370,12 @@ def _pallas(
             cache.page_size,
             quantized=cache.quant is not None,
         )
+        if rope is not None and config.decode is None:
+            # The same float32 table tiles per stage: at most 64 keys, not pipelined
+            # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
+            decode_config = dataclasses.replace(
+                decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
+            )
         out_d, lse_d = paged_decode(
             q[first],
             cache.k_pages,
@@ -359,6 +385,7 @@ def _pallas(
             k_scales=cache.k_scales,
             v_scales=cache.v_scales,
             alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+            rope=None if rope is None else rope.take(first),
             params=DecodeParams(
                 window=options.window,
                 sink_tokens=options.sink_tokens,
@@ -382,3 +409,17 @@ def _pallas(
     out = jnp.where(real[:, None, None], out, jnp.zeros((), out_dtype)).astype(out_dtype)
     lse = jnp.where(real[None, :], lse, -jnp.inf)
     return out, lse
+
+
+def _rope_tables(read_rope, q, meta, cache, options, block_q):
+    """The kernels' cos/sin tables and q's partner form for `rope_on_read` (or None).
+    Rows: every position a kernel rotates at. With a window, positions within the cache
+    stay below `window + sink_tokens`, and the flash kernel's per-tile base adds at most
+    `block_q` (`pallas_kernels.rope_read`); without one, the cache's capacity."""
+    if read_rope is None:
+        return None
+    if options.window is None:
+        rows = meta.max_pages * cache.page_size
+    else:
+        rows = options.window + options.sink_tokens + block_q
+    return streaming.rope_tables(read_rope, q, rows)

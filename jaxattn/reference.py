@@ -25,6 +25,8 @@ import jax.numpy as jnp
 
 from jaxattn import validation
 from jaxattn.positional import RelativeBias, relative_position_bucket
+from jaxattn.rope import apply_rope
+from jaxattn.streaming import cache_positions
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -365,6 +367,7 @@ def paged_attention_reference(
     soft_cap: float | None = None,
     scale: float | None = None,
     relative_bias: RelativeBias | None = None,
+    read_rope=None,
     return_lse: bool = False,
     out_dtype=None,
     out_scale=None,
@@ -378,6 +381,11 @@ def paged_attention_reference(
     first `context_lens[s] - q_len[s]` positions, read through its block table) and to the
     row's new tokens, with the options of `attention_reference`. Padding tokens output
     zeros. Memory is O(T * (M * P + T)): for tests and small models.
+    read_rope: None, or the `jaxattn.RoPE` of `rope_on_read=True` (StreamingLLM): q, k_new
+    and the cache are un-rotated; each query is rotated at its position within the cache
+    `p - o(p)`, `o(p) = max(0, p - window + 1 - sink_tokens)` (0 without a window), and
+    each of its keys j at `j` (sinks, `j < sink_tokens`) or `j - o(p)` (`jaxattn.streaming`).
+    ALiBi and T5 terms keep the absolute positions.
     Returns out `[T, Hq, D]` in `out_dtype` (as `attention_reference`; and lse float32
     `[Hq, T]`).
     """
@@ -409,10 +417,25 @@ def paged_attention_reference(
     visible = valid & _visible(
         q_pos[:, None], k_pos, causal=True, window=window, sink_tokens=sink_tokens
     )
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
-    s_n = jnp.einsum("thgd,uhd->thgu", qg, f32(k_new.astype(q.dtype)), precision=_HIGHEST)
+    if read_rope is None:
+        qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+        s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
+        s_n = jnp.einsum("thgd,uhd->thgu", qg, f32(k_new.astype(q.dtype)), precision=_HIGHEST)
+    else:  # Every query rotates its own copy of the keys: O(T * (K + T) * D) memory.
+
+        def in_cache(k_pos):
+            pos = cache_positions(q_pos, k_pos, window, sink_tokens)
+            return pos[0], jnp.maximum(pos[1], 0)  # (keys that are not there: any angle)
+
+        q_in, kc_in = in_cache(pos_c)
+        k_n = jnp.broadcast_to(k_new.astype(q.dtype), (num_tokens, *k_new.shape))
+        k_c = apply_rope(k_c, kc_in, read_rope)  # [T, K, Hkv, D]
+        k_n = apply_rope(k_n, in_cache(pos_n)[1], read_rope)  # [T, T, Hkv, D]
+        q_r = apply_rope(q[:, None], q_in[:, None], read_rope)[:, 0]
+        qg = q_r.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+        s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
+        s_n = jnp.einsum("thgd,tuhd->thgu", qg, f32(k_n), precision=_HIGHEST)
     s = jnp.concatenate([s_c, s_n], axis=-1).reshape(num_tokens, num_q_heads, 1, -1)
     s = s * (head_dim**-0.5 if scale is None else scale)
     rel = (k_pos - q_pos[:, None])[:, None, None, :]  # [T, 1, 1, K + T]

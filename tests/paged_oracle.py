@@ -18,7 +18,7 @@ from oracle import attention_oracle
 from quant_oracle import group_scales_np, quantize_np, to_storage_np
 from test_rope import oracle_parameters, rope_oracle
 
-__all__ = ["expected_storage", "rope_np", "step_oracle"]
+__all__ = ["expected_storage", "rope_np", "step_oracle", "streaming_step_oracle"]
 
 
 def rope_np(x, positions, rope) -> np.ndarray:
@@ -59,6 +59,46 @@ def step_oracle(q, cu_seqlens_q, context_lens, histories, *, lowp=None, **option
             kv_lengths=[ctx], lowp=lowp, **options,
         )  # fmt: skip
         out[lo:hi], lse[:, lo:hi] = o[0], l[0]
+    return out, lse
+
+
+def streaming_step_oracle(q, cu_seqlens_q, context_lens, histories, rope, *, window=None,
+                          sink_tokens=0, lowp=None, **options):  # fmt: skip
+    """`step_oracle` with `rope_on_read=True` (StreamingLLM, arXiv:2309.17453 section 3.2):
+    RoPE at positions within the cache.
+
+    q: float64 `[T, Hq, D]` un-rotated; histories: per row, `(K, V)` as the cache stores
+    them (K un-rotated). A query at position p has `o = max(0, p - window + 1 -
+    sink_tokens)` (0 without a window) evicted tokens before its window: it is rotated at
+    `p - o`, and its keys j at `j` (j < sink_tokens) or `j - o`. Each query gets its own
+    rotated copy of the keys (one oracle batch row per query); masking, ALiBi and the rest
+    are `attention_oracle`'s, at absolute positions. `lowp` also rounds the rotated q and k.
+    """
+    q = np.asarray(q, np.float64)
+    cu = [int(x) for x in np.asarray(cu_seqlens_q)]
+    out = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for s, ctx in enumerate(int(x) for x in np.asarray(context_lens)):
+        lo, hi = cu[s], cu[s + 1]
+        if hi == lo:
+            continue
+        k, v = (np.asarray(x, np.float64)[:ctx] for x in histories[s])
+        pos = np.arange(ctx - (hi - lo), ctx)  # the queries' absolute positions
+        evicted = np.zeros_like(pos)
+        if window is not None:
+            evicted = np.maximum(pos - window + 1 - sink_tokens, 0)
+        j = np.arange(ctx)
+        k_at = np.where(j[None, :] < sink_tokens, j[None, :], j[None, :] - evicted[:, None])
+        q_rot = rope_np(q[lo:hi], pos - evicted, rope)  # [n, Hq, D]
+        k_rot = np.stack([rope_np(k, k_at[i], rope) for i in range(hi - lo)])  # [n, ctx, ..]
+        if lowp is not None:  # a plain low-precision run rotates in that precision too
+            q_rot, k_rot = (x.astype(lowp).astype(np.float64) for x in (q_rot, k_rot))
+        o, l = attention_oracle(
+            q_rot[:, None], k_rot, np.broadcast_to(v, k_rot.shape[:1] + v.shape), causal=True,
+            q_lengths=[1] * (hi - lo), kv_lengths=pos + 1, window=window,
+            sink_tokens=sink_tokens, lowp=lowp, **options,
+        )  # fmt: skip
+        out[lo:hi], lse[:, lo:hi] = o[:, 0], l[:, :, 0].T
     return out, lse
 
 

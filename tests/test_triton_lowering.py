@@ -198,12 +198,15 @@ def _meta_spec(num_tokens, num_seqs, max_pages, ring=None):
     "options",
     [{}, dict(window=100, sink_tokens=4, ring=(16, 112)),
      dict(relative_bias=jaxattn.RelativeBias(jnp.zeros((32, 32), jnp.float32), 128, False)),
-     dict(alibi_slopes=_spec((32,), jnp.float32), soft_cap=30.0, return_lse=True)],
-    ids=["plain", "window_ring", "t5", "alibi_softcap_lse"],
+     dict(alibi_slopes=_spec((32,), jnp.float32), soft_cap=30.0, return_lse=True),
+     dict(window=100, sink_tokens=4, ring=(16, 112), rope_on_read=True,
+          rope=jaxattn.RoPE(theta=500000.0, rotary_dim=64, scaling=jaxattn.Llama3Scaling(8.0)))],
+    ids=["plain", "window_ring", "t5", "alibi_softcap_lse", "rope_on_read_ring"],
 )  # fmt: skip
 def test_paged_attention_lowers_to_triton(quant, options):
     """Both kernels of a serving step: the flash kernel reading a paged (quantized,
-    possibly cyclic) prefix, and the decode kernel."""
+    possibly cyclic) prefix, and the decode kernel; with rope_on_read, both rotate on
+    read (StreamingLLM)."""
     options = dict(options)
     ring = options.pop("ring", None)
     arrays, static = _split(options)

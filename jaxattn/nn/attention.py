@@ -45,6 +45,10 @@ class Attention(nnx.Module):
       num_q_heads, num_kv_heads: Hq and Hkv, `Hq % Hkv == 0` (MHA, GQA, MQA).
       head_dim: D (need not be d_model / Hq).
       rope: a `jaxattn.RoPE`, or None for no rotary embedding.
+      rope_on_read: serving mode: StreamingLLM's positions within the cache (the cache
+        holds un-rotated keys; `jaxattn.paged_attention`). Full mode has no cache: with a
+        window it raises (the positions would differ from serving); without one it is
+        plain RoPE.
       fused_qkv: one qkv_proj kernel instead of three.
       qk_norm: RMSNorm of each head's q and k over D before RoPE (Qwen3).
       norm_eps: epsilon of the QK-norm.
@@ -68,6 +72,7 @@ class Attention(nnx.Module):
         head_dim: int,
         *,
         rope: RoPE | None = None,
+        rope_on_read: bool = False,
         fused_qkv: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
@@ -89,7 +94,10 @@ class Attention(nnx.Module):
         if rope is not None and not isinstance(rope, RoPE):
             raise ValueError(f"Attention: rope={rope!r}: expected a jaxattn.RoPE or None")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        if rope_on_read and rope is None:
+            raise ValueError("Attention: rope_on_read=True needs rope=jaxattn.RoPE(...)")
         self.rope, self.fused_qkv, self.causal = rope, fused_qkv, causal
+        self.rope_on_read = bool(rope_on_read)
         self.options = dict(window=window, sink_tokens=sink_tokens, soft_cap=soft_cap, scale=scale)
         self.attention_fn, self.paged_attention_fn = attention_fn, paged_attention_fn
         linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -153,6 +161,11 @@ class Attention(nnx.Module):
             return self._serve(x, cache, meta)
         if x.ndim != 3:
             raise ValueError(f"Attention: {x.shape=}: expected [B, T, d_model]")
+        if self.rope_on_read and self.options["window"] is not None:
+            raise ValueError(
+                "Attention: rope_on_read=True with a window has positions within a cache; "
+                "full-sequence mode has none (use serving mode)"
+            )
         q, k, v = self.project_qkv(x)
         if self.rope is not None:
             if positions is None:
@@ -172,7 +185,8 @@ class Attention(nnx.Module):
 
     def _serve(self, x, cache, meta):
         q, k, v = self.project_qkv(x)
+        on_read = dict(rope_on_read=True) if self.rope_on_read else {}
         out, cache = self.paged_attention_fn(
-            q, k, v, cache, meta, rope=self.rope, **self.options
+            q, k, v, cache, meta, rope=self.rope, **on_read, **self.options
         )  # [T, Hq, D]
         return self.o_proj(out.reshape(x.shape[0], -1)), cache

@@ -7,7 +7,12 @@ are passed as packed `[T, H, D]` views plus a table saying where each sequence's
 
 Work skipping: a tile visits only the key blocks some of its rows can see (causal, window,
 lengths, plus sink blocks); blocks every row sees in full run without the mask arithmetic.
-Tiles are launched heaviest first so the long causal tiles do not form the tail.
+Tiles are launched heaviest first so the long causal tiles do not form the tail. A packed
+batch's tile count is a static bound (a tile per `block_q` rows, plus one per sequence for
+its ragged end): there a program loops over the tiles `first + i * programs` with rows,
+and the grid holds one program per `block_q` tokens plus a few, not one per potential
+tile. (A serving step of 64 rows launched ~2,500 programs per layer for its 512 tiles, each
+holding its shared memory until it found it had nothing to do.)
 
 Chunked context (`CachedPrefix`): a packed sequence's first `kv_len - q_len` keys may come
 from a paged KV cache instead (read through its block table, dequantized on load), and only
@@ -29,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
+from pallas_kernels import rope_read
 from pallas_kernels.cache_read import CacheFormat, read_rows, ring_position
 from pallas_kernels.common import (
     LOG2E,
@@ -106,17 +112,21 @@ class LogitParams:
     rel_bidirectional: bool = False
 
 
-# Columns of the packed tile table: one row of int32 per tile, read by one program.
-_Q_START, _Q_ROWS, _Q_LEN, _K_START, _KV_LEN, _ROW, _SEQ, _NUM_COLS = range(8)
+# Columns of the packed tile table: one row of int32 per tile; _NUM_REAL (the same in
+# every row): how many tiles have rows, the first ones after the sort.
+_Q_START, _Q_ROWS, _Q_LEN, _K_START, _KV_LEN, _ROW, _SEQ, _NUM_REAL, _NUM_COLS = range(9)
+# Programs beyond one per `block_q` tokens, for packed batches: tiles cut by sequence ends.
+_SPARE_PROGRAMS = 8
 
 
 def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: LogitParams):
     """int32 `[num_tiles, _NUM_COLS]`: tile t covers rows `_ROW : _ROW + block_q` of a sequence.
 
     Tiles are sorted by the number of keys they visit, largest first, so the long causal
-    tiles do not form the tail. Spare tiles (the count is a static bound) get a row past
-    their sequence's end and do nothing. Built from a few fused elementwise ops and one
-    sort: this runs on every call, next to a kernel of a millisecond or less.
+    tiles do not form the tail. Spare tiles (the count is a static bound) come last, with
+    a row past their sequence's end; the kernel's programs stop at `_NUM_REAL`. Built from
+    a few fused elementwise ops and one sort: this runs on every call, next to a kernel of
+    a millisecond or less.
     """
     n = (batch.q_rows + block_q - 1) // block_q  # [S] tiles per sequence
     ends = jnp.cumsum(n)
@@ -133,7 +143,8 @@ def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: Logit
     cost = jnp.where(row < batch.q_rows[seq], jnp.maximum(cost, 1), 0)
     columns = [batch.q_start[seq], batch.q_rows[seq], q_len, batch.k_start[seq], kv_len, row, seq]
     columns = jax.lax.sort([-cost, *(c.astype(jnp.int32) for c in columns)], num_keys=1)[1:]
-    return jnp.stack(columns, axis=1)
+    num_real = jnp.full((num_tiles,), jnp.sum(cost > 0, dtype=jnp.int32))
+    return jnp.stack([*columns, num_real], axis=1)
 
 
 def _flash_prefill_kernel(
@@ -146,6 +157,7 @@ def _flash_prefill_kernel(
     group: int,
     dense_shape: tuple[int, int, int] | None,
     cached: tuple[CacheFormat, tuple[int, int] | None] | None,
+    has_rope: bool,
     quantize: bool,
 ):
     has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
@@ -159,6 +171,8 @@ def _flash_prefill_kernel(
         table_ref, k_pool, v_pool = refs.pop(0), refs.pop(0), refs.pop(0)
         if cached[0].dtype is not None:
             k_scale, v_scale = refs.pop(0), refs.pop(0)  # [1] or [N, Hkv, P, G]
+    # RoPE on read: q' [Tq_all, Hq, D] (rope_read), cos and sin tables float32 [R, D].
+    rope_refs = [refs.pop(0) for _ in range(3)] if has_rope else None
     bias_ref = refs.pop(0) if has_bias else None  # [Bb, Hb, Rq, Rk]
     mask_ref = refs.pop(0) if has_mask else None  # [Bm, Hm, Rq, Rk]
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
@@ -167,216 +181,246 @@ def _flash_prefill_kernel(
     o_ref = refs.pop(0)  # [Tq_all, Hq, D]
     lse_ref = refs.pop(0) if has_lse else None  # [Hq, Tq_all]
 
-    h, tile = pl.program_id(0), pl.program_id(1)
-    if dense_shape is not None:  # Heaviest row blocks first, every sequence in turn.
-        num_seqs, q_rows, kv_rows_per_seq = dense_shape
-        seq = tile % num_seqs
-        r0 = (pl.cdiv(q_rows, block_q) - 1 - tile // num_seqs) * block_q
-        q_start, k_start = seq * q_rows, seq * kv_rows_per_seq
-        # Without lengths they stay Python ints, and so do the loop bounds of full attention.
-        q_len, kv_len = q_rows, kv_rows_per_seq
-        if has_index:
-            q_len, kv_len = index_ref[0, seq], index_ref[1, seq]
-    else:
-        q_start, q_rows = index_ref[tile, _Q_START], index_ref[tile, _Q_ROWS]
-        q_len, k_start = index_ref[tile, _Q_LEN], index_ref[tile, _K_START]
-        kv_len, r0, seq = index_ref[tile, _KV_LEN], index_ref[tile, _ROW], index_ref[tile, _SEQ]
-    kvh = h // group
+    h = pl.program_id(0)
 
-    padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
-    dims = pl.ds(0, padded_dim)
-    dim_ok = (jnp.arange(padded_dim) < head_dim)[None, :]  # [1, Dp]
-    rows = r0 + jnp.arange(block_q)  # [block_q] row index within the sequence
-    row_store = rows < q_rows
-    q_pos = kv_len - q_len + rows  # [block_q] absolute positions (bottom-right aligned)
-
-    q = plgpu.load(  # [block_q, Dp]
-        q_ref.at[pl.ds(q_start + r0, block_q), h, dims],
-        mask=row_store[:, None] & dim_ok,
-        other=0.0,
-    )
-    # Triton's default for float32 dots is TF32; float32 inputs ask for float32 products.
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    # Base-2 softmax: fold log2(e) into the scale so the inner loop calls exp2.
-    qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
-    extra_scale = 1.0 if params.soft_cap is not None else LOG2E
-
-    def tile_of(ref, b_idx, cols, col_ok, other):
-        """The [block_q, block_kv] slice of a broadcastable [B, H, Rq, Rk] operand."""
-        zero = jnp.int32(0)  # (interpret mode wants array indices, not Python ints)
-        bb = b_idx if ref.shape[0] > 1 else zero
-        hb = h if ref.shape[1] > 1 else zero
-        row0 = (q_start if params.packed_coords else 0) + r0
-        col0 = (k_start if params.packed_coords else 0) + cols
-        rq = pl.ds(row0, block_q) if ref.shape[2] > 1 else pl.ds(0, 1)
-        rk = pl.ds(col0, block_kv) if ref.shape[3] > 1 else pl.ds(0, 1)
-        ok = (row_store[:, None] if ref.shape[2] > 1 else True) & (
-            col_ok[None, :] if ref.shape[3] > 1 else True
-        )
-        shape = (block_q if ref.shape[2] > 1 else 1, block_kv if ref.shape[3] > 1 else 1)
-        ok = jnp.broadcast_to(ok, shape)
-        val = plgpu.load(ref.at[bb, hb, rq, rk], mask=ok, other=other)
-        return jnp.broadcast_to(val, (block_q, block_kv))
-
-    def logits(q, k, k0, masked):
-        cols = k0 + jnp.arange(block_kv)  # [block_kv] key positions
-        col_ok = cols < kv_len
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
-        s = s * qk_scale
-        extra = None
-        if has_bias:
-            extra = tile_of(bias_ref, seq, k0, col_ok, 0.0).astype(jnp.float32)
-        if has_alibi:
-            dist = jnp.abs(q_pos[:, None] - cols[None, :]).astype(jnp.float32)
-            term = -alibi_ref[h] * dist
-            extra = term if extra is None else extra + term
-        if has_rel:
-            rel = cols[None, :] - q_pos[:, None]
-            buckets = relative_position_bucket(
-                rel, rel_ref.shape[-1], params.rel_max_distance, params.rel_bidirectional
-            )
-            term = rel_ref[h, buckets]
-            extra = term if extra is None else extra + term
-        if extra is not None:
-            s = s + extra * extra_scale
-        if params.soft_cap is not None:
-            s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
-        if has_bias:  # A -inf bias masks the key; keep every logit finite.
-            s = jnp.maximum(s, MASK_VALUE)
-        visible = None
-        if masked:
-            visible = jnp.broadcast_to(col_ok[None, :], (block_q, block_kv))
-            if params.causal:
-                visible &= cols[None, :] <= q_pos[:, None]
-            if params.window is not None:
-                in_window = cols[None, :] > q_pos[:, None] - params.window
-                if params.sink_tokens:
-                    in_window |= cols[None, :] < params.sink_tokens
-                visible &= in_window
-        if has_mask:
-            allowed = tile_of(mask_ref, seq, k0, col_ok, False)
-            visible = allowed if visible is None else visible & allowed
-        return s if visible is None else jnp.where(visible, s, MASK_VALUE)
-
-    # Keys below `prefix` come from the cache (none without one); new keys are packed
-    # rows `k_start + (position - prefix)`.
-    prefix = 0 if cached is None else kv_len - q_len
-
-    def load_new(ref, k0, masked):  # [block_kv, Dp]: keys k0.. of the packed rows
-        if masked:  # Keys past kv_len belong to another sequence or to nothing.
-            kv_ok = ((k0 + jnp.arange(block_kv)) < kv_len)[:, None] & dim_ok
-        elif padded_dim != head_dim:
-            kv_ok = jnp.broadcast_to(dim_ok, (block_kv, padded_dim))
+    def one_tile(tile):
+        if dense_shape is not None:  # Heaviest row blocks first, every sequence in turn.
+            num_seqs, q_rows, kv_rows_per_seq = dense_shape
+            seq = tile % num_seqs
+            r0 = (pl.cdiv(q_rows, block_q) - 1 - tile // num_seqs) * block_q
+            q_start, k_start = seq * q_rows, seq * kv_rows_per_seq
+            # Without lengths they stay Python ints, and so do the loop bounds of full attention.
+            q_len, kv_len = q_rows, kv_rows_per_seq
+            if has_index:
+                q_len, kv_len = index_ref[0, seq], index_ref[1, seq]
         else:
-            kv_ok = None
-        other = None if kv_ok is None else 0.0
-        rows = pl.ds(k_start - prefix + k0, block_kv)
-        return plgpu.load(ref.at[rows, kvh, dims], mask=kv_ok, other=other)
+            q_start, q_rows = index_ref[tile, _Q_START], index_ref[tile, _Q_ROWS]
+            q_len, k_start = index_ref[tile, _Q_LEN], index_ref[tile, _K_START]
+            kv_len, r0, seq = index_ref[tile, _KV_LEN], index_ref[tile, _ROW], index_ref[tile, _SEQ]
+        kvh = h // group
 
-    def locate(k0):
-        """Pages `[block_kv]` and offsets of keys k0.. in the cache (pages of keys past the
-        prefix read as 0)."""
-        t = k0 + jnp.arange(block_kv)
-        stored_at = ring_position(t, cached[1])
-        page_size, max_pages = k_pool.shape[2], table_ref.shape[1]
-        col = stored_at // page_size
-        ok = (t < prefix) & (col < max_pages)
-        pages = plgpu.load(table_ref.at[seq, col], mask=ok, other=0)
-        pages = jnp.clip(pages, 0, k_pool.shape[0] - 1)  # a corrupt table never reads off the pool
-        return pages, stored_at % page_size
+        padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
+        dims = pl.ds(0, padded_dim)
+        dim_ok = (jnp.arange(padded_dim) < head_dim)[None, :]  # [1, Dp]
+        rows = r0 + jnp.arange(block_q)  # [block_q] row index within the sequence
+        row_store = rows < q_rows
+        q_pos = kv_len - q_len + rows  # [block_q] absolute positions (bottom-right aligned)
 
-    def load_cached(pool, scale, located, rows_ok):  # [block_kv, Dp]
-        pages, offsets = located
-        at = (pages[:, None], kvh, offsets[:, None])
-        return read_rows(pool, scale, cached[0], at, rows_ok, head_dim, q_ref.dtype)
+        q = plgpu.load(  # [block_q, Dp]
+            q_ref.at[pl.ds(q_start + r0, block_q), h, dims],
+            mask=row_store[:, None] & dim_ok,
+            other=0.0,
+        )
+        # Triton's default for float32 dots is TF32; float32 inputs ask for float32 products.
+        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        if has_rope:  # StreamingLLM: q rotated per tile, keys on load (rope_read)
+            q2 = plgpu.load(rope_refs[0].at[pl.ds(q_start + r0, block_q), h, dims],
+                            mask=row_store[:, None] & dim_ok, other=0.0)  # fmt: skip
+            rope_cols = (
+                jnp.arange(padded_dim)[None, :],
+                None if padded_dim == head_dim else dim_ok,
+            )
+            q = rope_read.tile_queries(q, q2, rope_refs[1:], q_pos, kv_len - q_len + r0, *rope_cols,
+                                       params.window, params.sink_tokens)  # fmt: skip
+        # Base-2 softmax: fold log2(e) into the scale so the inner loop calls exp2.
+        qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
+        extra_scale = 1.0 if params.soft_cap is not None else LOG2E
 
-    def load_mixed(ref, pool, scale, k0):  # [block_kv, Dp]: cached rows, then new rows
-        t = k0 + jnp.arange(block_kv)
-        in_cache = t < prefix
-        tile = load_cached(pool, scale, locate(k0), in_cache)
-        fresh_ok = (t >= prefix) & (t < kv_len)
-        rows = (k_start - prefix + t)[:, None]
-        cols = jnp.arange(padded_dim)[None, :]
-        fresh = plgpu.load(ref.at[rows, kvh, cols], mask=fresh_ok[:, None] & dim_ok, other=0.0)
-        return jnp.where(in_cache[:, None], tile, fresh)
+        def tile_of(ref, b_idx, cols, col_ok, other):
+            """The [block_q, block_kv] slice of a broadcastable [B, H, Rq, Rk] operand."""
+            zero = jnp.int32(0)  # (interpret mode wants array indices, not Python ints)
+            bb = b_idx if ref.shape[0] > 1 else zero
+            hb = h if ref.shape[1] > 1 else zero
+            row0 = (q_start if params.packed_coords else 0) + r0
+            col0 = (k_start if params.packed_coords else 0) + cols
+            rq = pl.ds(row0, block_q) if ref.shape[2] > 1 else pl.ds(0, 1)
+            rk = pl.ds(col0, block_kv) if ref.shape[3] > 1 else pl.ds(0, 1)
+            ok = (row_store[:, None] if ref.shape[2] > 1 else True) & (
+                col_ok[None, :] if ref.shape[3] > 1 else True
+            )
+            shape = (block_q if ref.shape[2] > 1 else 1, block_kv if ref.shape[3] > 1 else 1)
+            ok = jnp.broadcast_to(ok, shape)
+            val = plgpu.load(ref.at[bb, hb, rq, rk], mask=ok, other=other)
+            return jnp.broadcast_to(val, (block_q, block_kv))
 
-    def body(masked, source, block, carry):
-        k0 = block * block_kv
-        if source == "new":
-            load = functools.partial(load_new, k0=k0, masked=masked)
-            k, load_v = load(k_ref), lambda: load(v_ref)
-        else:  # "both"
-            k = load_mixed(k_ref, k_pool, k_scale, k0)
-            load_v = lambda: load_mixed(v_ref, v_pool, v_scale, k0)  # noqa: E731
-        s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
-        return softmax_update(carry, s, load_v, precision)
+        def logits(q, k, k0, masked):
+            cols = k0 + jnp.arange(block_kv)  # [block_kv] key positions
+            col_ok = cols < kv_len
+            if has_rope:
+                s = rope_read.tile_scores(q, k, cols, rope_refs[1:], *rope_cols, precision)
+            else:
+                s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+            s = s * qk_scale
+            extra = None
+            if has_bias:
+                extra = tile_of(bias_ref, seq, k0, col_ok, 0.0).astype(jnp.float32)
+            if has_alibi:
+                dist = jnp.abs(q_pos[:, None] - cols[None, :]).astype(jnp.float32)
+                term = -alibi_ref[h] * dist
+                extra = term if extra is None else extra + term
+            if has_rel:
+                rel = cols[None, :] - q_pos[:, None]
+                buckets = relative_position_bucket(
+                    rel, rel_ref.shape[-1], params.rel_max_distance, params.rel_bidirectional
+                )
+                term = rel_ref[h, buckets]
+                extra = term if extra is None else extra + term
+            if extra is not None:
+                s = s + extra * extra_scale
+            if params.soft_cap is not None:
+                s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
+            if has_bias:  # A -inf bias masks the key; keep every logit finite.
+                s = jnp.maximum(s, MASK_VALUE)
+            visible = None
+            if masked:
+                visible = jnp.broadcast_to(col_ok[None, :], (block_q, block_kv))
+                if params.causal:
+                    visible &= cols[None, :] <= q_pos[:, None]
+                if params.window is not None:
+                    in_window = cols[None, :] > q_pos[:, None] - params.window
+                    if params.sink_tokens:
+                        in_window |= cols[None, :] < params.sink_tokens
+                    visible &= in_window
+            if has_mask:
+                allowed = tile_of(mask_ref, seq, k0, col_ok, False)
+                visible = allowed if visible is None else visible & allowed
+            return s if visible is None else jnp.where(visible, s, MASK_VALUE)
 
-    def cached_body(masked, block, carry):
-        """A block inside the prefix. Its page ids were loaded by the previous step, so
-        the K/V loads do not wait on a table load and pipeline across steps."""
-        carry, located = carry
-        k0 = block * block_kv
-        k = load_cached(k_pool, k_scale, located, None)  # every row is cached: no mask
-        s = logits(q, k, k0, masked)
-        load_v = lambda: load_cached(v_pool, v_scale, located, None)  # noqa: E731
-        return softmax_update(carry, s, load_v, precision), locate(k0 + block_kv)
+        # Keys below `prefix` come from the cache (none without one); new keys are packed
+        # rows `k_start + (position - prefix)`.
+        prefix = 0 if cached is None else kv_len - q_len
 
-    def run(lo, hi, masked, carry):
-        """Key blocks [lo, hi), each loaded from where its keys are."""
-        if cached is None:
-            return jax.lax.fori_loop(lo, hi, functools.partial(body, masked, "new"), carry)
-        cache_end, new_start = prefix // block_kv, pl.cdiv(prefix, block_kv)
-        end = jnp.maximum(lo, jnp.minimum(hi, cache_end))
-        step = functools.partial(cached_body, masked)
-        carry, _ = jax.lax.fori_loop(lo, end, step, (carry, locate(lo * block_kv)))
-        for source, start, end in (
-            ("both", jnp.maximum(lo, cache_end), jnp.minimum(hi, new_start)),
-            ("new", jnp.maximum(lo, new_start), hi),
-        ):
-            step = functools.partial(body, masked, source)
-            carry = jax.lax.fori_loop(start, jnp.maximum(start, end), step, carry)
-        return carry
+        def load_new(ref, k0, masked):  # [block_kv, Dp]: keys k0.. of the packed rows
+            if masked:  # Keys past kv_len belong to another sequence or to nothing.
+                kv_ok = ((k0 + jnp.arange(block_kv)) < kv_len)[:, None] & dim_ok
+            elif padded_dim != head_dim:
+                kv_ok = jnp.broadcast_to(dim_ok, (block_kv, padded_dim))
+            else:
+                kv_ok = None
+            other = None if kv_ok is None else 0.0
+            rows = pl.ds(k_start - prefix + k0, block_kv)
+            return plgpu.load(ref.at[rows, kvh, dims], mask=kv_ok, other=other)
 
-    # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
-    # what every valid row sees, so blocks inside it skip the mask.
-    if isinstance(kv_len, int) and not params.causal and params.window is None:
-        # Full attention of a dense batch without lengths: static trip counts.
-        lo_b, full_lo_b, hi_b, full_hi_b = 0, 0, pl.cdiv(kv_len, block_kv), kv_len // block_kv
-    else:
-        n_valid = jnp.clip(q_len - r0, 0, block_q)
-        p_first = kv_len - q_len + r0
-        p_last = p_first + n_valid - 1
-        hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
-        # hi = 0 for a tile with no real row. (Integer arithmetic: Triton's lowering of a
-        # select between constants trips over an i1/i32 mix in jax 0.10-0.11.)
-        hi = jnp.maximum(hi, 0) * jnp.minimum(n_valid, 1)
-        full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
-        lo, full_lo = 0, 0
-        if params.window is not None:
-            lo = jnp.maximum(p_first - params.window + 1, 0)
-            full_lo = jnp.maximum(p_last - params.window + 1, 0)
-        hi_b = pl.cdiv(hi, block_kv)
-        lo_b = jnp.minimum(lo // block_kv, hi_b)
-        full_lo_b = jnp.clip(pl.cdiv(full_lo, block_kv), lo_b, hi_b)
-        full_hi_b = jnp.clip(full_hi // block_kv, full_lo_b, hi_b)
-    if has_mask:  # Every block reads the mask anyway.
-        full_hi_b = full_lo_b
+        def locate(k0):
+            """Pages `[block_kv]` and offsets of keys k0.. in the cache (pages of keys past the
+            prefix read as 0)."""
+            t = k0 + jnp.arange(block_kv)
+            stored_at = ring_position(t, cached[1])
+            page_size, max_pages = k_pool.shape[2], table_ref.shape[1]
+            col = stored_at // page_size
+            ok = (t < prefix) & (col < max_pages)
+            pages = plgpu.load(table_ref.at[seq, col], mask=ok, other=0)
+            pages = jnp.clip(
+                pages, 0, k_pool.shape[0] - 1
+            )  # a corrupt table never reads off the pool
+            return pages, stored_at % page_size
 
-    carry = softmax_init(block_q, padded_dim)
-    if params.window is not None and params.sink_tokens:
-        sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, hi), block_kv), lo_b)
-        carry = run(0, sink_b, True, carry)
-    carry = run(lo_b, full_lo_b, True, carry)
-    carry = run(full_lo_b, full_hi_b, False, carry)
-    carry = run(full_hi_b, hi_b, True, carry)
-    out, lse = softmax_finish(carry, row_ok=rows < q_len)
-    plgpu.store(
-        o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
-        output_value(out, o_ref, inv_ref),
-        mask=row_store[:, None] & dim_ok,
-    )
-    if has_lse:
-        plgpu.store(lse_ref.at[h, pl.ds(q_start + r0, block_q)], lse, mask=row_store)
+        def load_cached(pool, scale, located, rows_ok):  # [block_kv, Dp]
+            pages, offsets = located
+            at = (pages[:, None], kvh, offsets[:, None])
+            return read_rows(pool, scale, cached[0], at, rows_ok, head_dim, q_ref.dtype)
+
+        def load_mixed(ref, pool, scale, k0):  # [block_kv, Dp]: cached rows, then new rows
+            t = k0 + jnp.arange(block_kv)
+            in_cache = t < prefix
+            tile = load_cached(pool, scale, locate(k0), in_cache)
+            fresh_ok = (t >= prefix) & (t < kv_len)
+            rows = (k_start - prefix + t)[:, None]
+            cols = jnp.arange(padded_dim)[None, :]
+            fresh = plgpu.load(ref.at[rows, kvh, cols], mask=fresh_ok[:, None] & dim_ok, other=0.0)
+            return jnp.where(in_cache[:, None], tile, fresh)
+
+        def body(masked, source, q, block, carry):
+            k0 = block * block_kv
+            if source == "new":
+                load = functools.partial(load_new, k0=k0, masked=masked)
+                k, load_v = load(k_ref), lambda: load(v_ref)
+            else:  # "both"
+                k = load_mixed(k_ref, k_pool, k_scale, k0)
+                load_v = lambda: load_mixed(v_ref, v_pool, v_scale, k0)  # noqa: E731
+            s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
+            return softmax_update(carry, s, load_v, precision)
+
+        def cached_body(masked, q, block, carry):
+            """A block inside the prefix. Its page ids were loaded by the previous step, so
+            the K/V loads do not wait on a table load and pipeline across steps."""
+            carry, located = carry
+            k0 = block * block_kv
+            k = load_cached(k_pool, k_scale, located, None)  # every row is cached: no mask
+            s = logits(q, k, k0, masked)
+            load_v = lambda: load_cached(v_pool, v_scale, located, None)  # noqa: E731
+            return softmax_update(carry, s, load_v, precision), locate(k0 + block_kv)
+
+        def run(lo, hi, masked, carry, q=q):
+            """Key blocks [lo, hi), each loaded from where its keys are."""
+            if cached is None:
+                return jax.lax.fori_loop(lo, hi, functools.partial(body, masked, "new", q), carry)
+            cache_end, new_start = prefix // block_kv, pl.cdiv(prefix, block_kv)
+            end = jnp.maximum(lo, jnp.minimum(hi, cache_end))
+            step = functools.partial(cached_body, masked, q)
+            carry, _ = jax.lax.fori_loop(lo, end, step, (carry, locate(lo * block_kv)))
+            for source, start, end in (
+                ("both", jnp.maximum(lo, cache_end), jnp.minimum(hi, new_start)),
+                ("new", jnp.maximum(lo, new_start), hi),
+            ):
+                step = functools.partial(body, masked, source, q)
+                carry = jax.lax.fori_loop(start, jnp.maximum(start, end), step, carry)
+            return carry
+
+        # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
+        # what every valid row sees, so blocks inside it skip the mask.
+        if isinstance(kv_len, int) and not params.causal and params.window is None:
+            # Full attention of a dense batch without lengths: static trip counts.
+            lo_b, full_lo_b, hi_b, full_hi_b = 0, 0, pl.cdiv(kv_len, block_kv), kv_len // block_kv
+        else:
+            n_valid = jnp.clip(q_len - r0, 0, block_q)
+            p_first = kv_len - q_len + r0
+            p_last = p_first + n_valid - 1
+            hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
+            # hi = 0 for a tile with no real row. (Integer arithmetic: Triton's lowering of a
+            # select between constants trips over an i1/i32 mix in jax 0.10-0.11.)
+            hi = jnp.maximum(hi, 0) * jnp.minimum(n_valid, 1)
+            full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
+            lo, full_lo = 0, 0
+            if params.window is not None:
+                lo = jnp.maximum(p_first - params.window + 1, 0)
+                full_lo = jnp.maximum(p_last - params.window + 1, 0)
+            hi_b = pl.cdiv(hi, block_kv)
+            lo_b = jnp.minimum(lo // block_kv, hi_b)
+            full_lo_b = jnp.clip(pl.cdiv(full_lo, block_kv), lo_b, hi_b)
+            full_hi_b = jnp.clip(full_hi // block_kv, full_lo_b, hi_b)
+        if has_mask:  # Every block reads the mask anyway.
+            full_hi_b = full_lo_b
+
+        carry = softmax_init(block_q, padded_dim)
+        if params.window is not None and params.sink_tokens:
+            sink_b = pl.cdiv(jnp.minimum(params.sink_tokens, hi), block_kv)
+            if has_rope:  # Every block holding a sink runs here: it needs both q rotations.
+                lo_b = jnp.maximum(lo_b, sink_b)
+                full_lo_b = jnp.clip(full_lo_b, lo_b, hi_b)
+                full_hi_b = jnp.clip(full_hi_b, full_lo_b, hi_b)
+            else:
+                sink_b = jnp.minimum(sink_b, lo_b)
+            carry = run(0, sink_b, True, carry)
+        q_window = q._replace(sink=None) if has_rope else q
+        carry = run(lo_b, full_lo_b, True, carry, q_window)
+        carry = run(full_lo_b, full_hi_b, False, carry, q_window)
+        carry = run(full_hi_b, hi_b, True, carry, q_window)
+        out, lse = softmax_finish(carry, row_ok=rows < q_len)
+        plgpu.store(
+            o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
+            output_value(out, o_ref, inv_ref),
+            mask=row_store[:, None] & dim_ok,
+        )
+        if has_lse:
+            plgpu.store(lse_ref.at[h, pl.ds(q_start + r0, block_q)], lse, mask=row_store)
+
+    if dense_shape is not None:
+        one_tile(pl.program_id(1))
+    else:  # A program per potential tile would launch mostly empty ones: loop instead.
+        first, stride = pl.program_id(1), pl.num_programs(1)
+        trips = pl.cdiv(jnp.maximum(index_ref[0, _NUM_REAL] - first, 0), stride)
+        jax.lax.fori_loop(0, trips, lambda i, c: (one_tile(first + i * stride), c)[1], 0)
 
 
 @functools.partial(
@@ -393,6 +437,7 @@ def flash_prefill(
     mask=None,
     alibi_slopes=None,
     rel_table=None,
+    rope: rope_read.RopeTables | None = None,
     params: LogitParams,
     config: FlashPrefillConfig,
     return_lse: bool = False,
@@ -413,6 +458,9 @@ def flash_prefill(
         by sequence, head, and row/column within the sequence (dense) or in packed
         coordinates (packed, `Bb == 1`).
       alibi_slopes: float32 `[Hq]`; rel_table: float32 `[Hq, num_buckets]` (T5 bias).
+      rope: packed batches only: None, or `RopeTables` (q_partner shaped like q): k, v and
+        the cache hold un-rotated keys and q comes un-rotated; the kernel rotates them at
+        their positions within the cache (StreamingLLM, `pallas_kernels.rope_read`).
       params, config: static options and tiling.
       out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
         stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
@@ -426,7 +474,7 @@ def flash_prefill(
     if batch.dense:
         num_seqs, q_rows, kv_rows = q.shape[0], q.shape[1], k.shape[1]
         dense_shape = (num_seqs, q_rows, kv_rows)
-        num_tiles = num_seqs * pl.cdiv(q_rows, block_q)
+        num_tiles = num_programs = num_seqs * pl.cdiv(q_rows, block_q)
         index = None
         if batch.q_len is not None or batch.kv_len is not None:
             full = lambda x, n: jnp.full((num_seqs,), n, jnp.int32) if x is None else x  # noqa: E731
@@ -438,6 +486,9 @@ def flash_prefill(
         num_seqs = batch.q_len.shape[0]
         num_tiles = (q.shape[0] + num_seqs * (block_q - 1)) // block_q
         index = _packed_tile_table(batch, block_q, num_tiles, params)
+        # Each program loops over tiles `first + i * num_programs` below the real count:
+        # a step of many one-token (generation) rows has far fewer tiles than sequences.
+        num_programs = min(num_tiles, pl.cdiv(q.shape[0], block_q) + _SPARE_PROGRAMS)
 
     pools, cache_layout = [], None
     if cached is not None:
@@ -450,6 +501,10 @@ def flash_prefill(
                 scales = tuple(jnp.reshape(x, (1,)).astype(jnp.float32) for x in scales)
             pools += scales
         cache_layout = (cached.fmt, cached.ring)
+    if rope is not None:
+        if batch.dense:
+            raise ValueError("flash_prefill: rope on read needs a packed batch")
+        pools += [rope.q_partner.astype(q.dtype), rope.cos, rope.sin]
     optional = [bias, mask, alibi_slopes, rel_table]
     has = tuple(x is not None for x in [index, *optional]) + (return_lse,)
     inputs = [x for x in [index, q, k, v, *pools, *optional] if x is not None]
@@ -473,13 +528,14 @@ def flash_prefill(
         group=num_q_heads // num_kv_heads,
         dense_shape=dense_shape,
         cached=cache_layout,
+        has_rope=rope is not None,
         quantize=quantize,
     )
     outs = whole_array_call(
         kernel,
         inputs,
         out_shape,
-        grid=(num_q_heads, num_tiles),
+        grid=(num_q_heads, num_programs),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,

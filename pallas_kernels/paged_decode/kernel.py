@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import rope_read
 from pallas_kernels.cache_read import CacheFormat, read_kv, ring_position, row_scale
 from pallas_kernels.common import (
     LOG2E,
@@ -66,6 +67,7 @@ def _paged_decode_kernel(
     fmt: CacheFormat,
     has_alibi: bool,
     has_indirection: bool,
+    has_rope: bool,
     split_out: bool,
     quantize: bool,
     group: int,
@@ -73,6 +75,7 @@ def _paged_decode_kernel(
     head_dim: int,
     block_kv: int,
     num_splits: int,
+    interpret: bool,
 ):
     refs = list(refs)
     k_scale_ref = v_scale_ref = None
@@ -80,6 +83,8 @@ def _paged_decode_kernel(
         k_scale_ref, v_scale_ref = refs.pop(0), refs.pop(0)
     alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
     ind_ref = refs.pop(0) if has_indirection else None  # [B // W, W, L] int32
+    # RoPE on read: q' [B, Hq, D] (rope_read), cos and sin tables float32 [R, D].
+    rope_refs = [refs.pop(0) for _ in range(3)] if has_rope else None
     inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
     o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
 
@@ -109,6 +114,11 @@ def _paged_decode_kernel(
     dtype = q[0].dtype
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
+    if has_rope:  # StreamingLLM: rotate q and keys at their positions within the cache
+        part_cols = [p * part_dim + dims[None, :] for p in range(fmt.parts)]
+        rope_at = dict(window=params.window, sink_tokens=params.sink_tokens,
+                       part_cols=part_cols, col_ok=dim_ok)  # fmt: skip
+        q_rot = rope_read.decode_queries(q, rope_refs, b, heads, row_ok, pos, **rope_at)
 
     def body(block, carry):
         t = block * block_kv + jnp.arange(block_kv)  # [block_kv] token positions
@@ -124,12 +134,17 @@ def _paged_decode_kernel(
         pages = plgpu.load(table_ref.at[row, col], mask=t_ok & (col < max_pages), other=0)
         pages = jnp.clip(pages, 0, num_pages - 1)  # a corrupt table never reads off the pool
         at = (pages[:, None], kvh, (stored_at % page_size)[:, None])
-        read = functools.partial(read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim)
-        k = read(k_ref, k_scale_ref, dtype=dtype)  # parts of [block_kv, Pd]
-        s = sum(
-            jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
-            for qp, kp in zip(q, k, strict=True)
+        read = functools.partial(
+            read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret
         )
+        k = read(k_ref, k_scale_ref, dtype=dtype)  # parts of [block_kv, Pd]
+        if has_rope:
+            s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision, **rope_at)
+        else:
+            s = sum(
+                jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
+                for qp, kp in zip(q, k, strict=True)
+            )
         s = s * qk_scale
         v_scale = None
         if fmt.row_scales:  # factored out of the tiles: scale logits and probabilities
@@ -193,6 +208,7 @@ def paged_decode(
     v_scales=None,
     alibi_slopes=None,
     cache_indirection=None,
+    rope: rope_read.RopeTables | None = None,
     params: DecodeParams,
     config: PagedDecodeConfig,
     fmt: CacheFormat = PLAIN,
@@ -210,6 +226,9 @@ def paged_decode(
       alibi_slopes: float32 `[Hq]` or None. params, config: static options and tiling.
       cache_indirection: int32 `[B // W, W, L]` or None: token t of row b is read through
         the block table of row `b - b % W + ind[b // W, b % W, t]` (t < L; beam search).
+      rope: None, or `RopeTables` (q_partner `[B, Hq, D]`): the cache holds un-rotated keys
+        and q comes un-rotated; both are rotated in-kernel at their positions within the
+        cache (StreamingLLM, `pallas_kernels.rope_read`; `params.window`, `sink_tokens`).
       out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
         stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
 
@@ -235,6 +254,8 @@ def paged_decode(
         inputs.append(alibi_slopes.astype(jnp.float32))
     if cache_indirection is not None:
         inputs.append(cache_indirection.astype(jnp.int32))
+    if rope is not None:
+        inputs += [rope.q_partner.astype(q.dtype), rope.cos, rope.sin]
     if quantize:
         inputs.append(inverse_scale(out_scale))
     if splits == 1:
@@ -253,6 +274,7 @@ def paged_decode(
         fmt=fmt,
         has_alibi=alibi_slopes is not None,
         has_indirection=cache_indirection is not None,
+        has_rope=rope is not None,
         split_out=splits > 1,
         quantize=quantize,
         group=group,
@@ -260,6 +282,7 @@ def paged_decode(
         head_dim=head_dim,
         block_kv=config.block_kv,
         num_splits=splits,
+        interpret=interpret,
     )
     out, lse = whole_array_call(
         kernel,
