@@ -34,6 +34,16 @@ def rope_np(x, positions, rope) -> np.ndarray:
     return out
 
 
+def _rows(cu_seqlens_q, context_lens, histories):
+    """Per row with tokens: (first token, end token, context length, K, V float64 of the
+    row's first `context_lens[s]` positions)."""
+    cu = [int(x) for x in np.asarray(cu_seqlens_q)]
+    for s, ctx in enumerate(int(x) for x in np.asarray(context_lens)):
+        if cu[s + 1] > cu[s]:
+            k, v = (np.asarray(x, np.float64)[:ctx] for x in histories[s])
+            yield cu[s], cu[s + 1], ctx, k, v
+
+
 def step_oracle(q, cu_seqlens_q, context_lens, histories, *, lowp=None, **options):
     """The outputs of one step.
 
@@ -46,14 +56,9 @@ def step_oracle(q, cu_seqlens_q, context_lens, histories, *, lowp=None, **option
     Returns out `[T, Hq, D]` and lse `[Hq, T]`.
     """
     q = np.asarray(q, np.float64)
-    cu = [int(x) for x in np.asarray(cu_seqlens_q)]
     out = np.zeros(q.shape)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for s, ctx in enumerate(int(x) for x in np.asarray(context_lens)):
-        lo, hi = cu[s], cu[s + 1]
-        if hi == lo:
-            continue
-        k, v = (np.asarray(x, np.float64)[:ctx] for x in histories[s])
+    for lo, hi, ctx, k, v in _rows(cu_seqlens_q, context_lens, histories):
         o, l = attention_oracle(
             q[None, lo:hi], k[None], v[None], causal=True, q_lengths=[hi - lo],
             kv_lengths=[ctx], lowp=lowp, **options,
@@ -75,14 +80,9 @@ def streaming_step_oracle(q, cu_seqlens_q, context_lens, histories, rope, *, win
     are `attention_oracle`'s, at absolute positions. `lowp` also rounds the rotated q and k.
     """
     q = np.asarray(q, np.float64)
-    cu = [int(x) for x in np.asarray(cu_seqlens_q)]
     out = np.zeros(q.shape)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for s, ctx in enumerate(int(x) for x in np.asarray(context_lens)):
-        lo, hi = cu[s], cu[s + 1]
-        if hi == lo:
-            continue
-        k, v = (np.asarray(x, np.float64)[:ctx] for x in histories[s])
+    for lo, hi, ctx, k, v in _rows(cu_seqlens_q, context_lens, histories):
         pos = np.arange(ctx - (hi - lo), ctx)  # the queries' absolute positions
         evicted = np.zeros_like(pos)
         if window is not None:
