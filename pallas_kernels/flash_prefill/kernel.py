@@ -17,7 +17,7 @@ holding its shared memory until it found it had nothing to do.)
 Chunked context (`CachedPrefix`): a packed sequence's first `kv_len - q_len` keys may come
 from a paged KV cache instead (read through its block table, dequantized on load), and only
 its new keys from the packed `k`, `v`: key blocks split into cache-only, mixed (one block at
-most) and new-only runs, so each run loads from one place.
+most) and new-only runs, so each run loads from one place (`keys.py`).
 
 FP8 output (`out_dtype=float8_e4m3fn`): the epilogue quantizes the normalised float32 tile
 in the store (`paged_decode.combine.quantize_output`), never through q's dtype.
@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
 from pallas_kernels import rope_read
-from pallas_kernels.cache_read import CacheFormat, read_rows, ring_position
+from pallas_kernels.cache_read import CacheFormat
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
@@ -47,6 +47,7 @@ from pallas_kernels.common import (
     whole_array_call,
 )
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+from pallas_kernels.flash_prefill.keys import CacheRefs, KeyBlocks
 from pallas_kernels.output import FP8, inverse_scale, output_value
 
 
@@ -166,11 +167,13 @@ def _flash_prefill_kernel(
     index_ref = refs.pop(0) if has_index else None
     q_ref = refs.pop(0)  # [Tq_all, Hq, D]
     k_ref, v_ref = refs.pop(0), refs.pop(0)  # [Tk_all, Hkv, D]
-    table_ref = k_pool = v_pool = k_scale = v_scale = None
+    cache_refs = None
     if cached is not None:  # block tables [S, M], pools [N, Hkv, P, Dp], scales or None
         table_ref, k_pool, v_pool = refs.pop(0), refs.pop(0), refs.pop(0)
+        k_scale = v_scale = None
         if cached[0].dtype is not None:
             k_scale, v_scale = refs.pop(0), refs.pop(0)  # [1] or [N, Hkv, P, G]
+        cache_refs = CacheRefs(table_ref, k_pool, v_pool, k_scale, v_scale, *cached)
     # RoPE on read: q' [Tq_all, Hq, D] (rope_read), cos and sin tables float32 [R, D].
     rope_refs = [refs.pop(0) for _ in range(3)] if has_rope else None
     bias_ref = refs.pop(0) if has_bias else None  # [Bb, Hb, Rq, Rk]
@@ -288,84 +291,29 @@ def _flash_prefill_kernel(
 
         # Keys below `prefix` come from the cache (none without one); new keys are packed
         # rows `k_start + (position - prefix)`.
-        prefix = 0 if cached is None else kv_len - q_len
+        keys = KeyBlocks(
+            k_ref,
+            v_ref,
+            cache_refs,
+            seq,
+            kvh,
+            k_start,
+            kv_len,
+            prefix=0 if cached is None else kv_len - q_len,
+            block_kv=block_kv,
+            head_dim=head_dim,
+            padded_dim=padded_dim,
+            dims=dims,
+            dim_ok=dim_ok,
+            dtype=q_ref.dtype,
+        )
 
-        def load_new(ref, k0, masked):  # [block_kv, Dp]: keys k0.. of the packed rows
-            if masked:  # Keys past kv_len belong to another sequence or to nothing.
-                kv_ok = ((k0 + jnp.arange(block_kv)) < kv_len)[:, None] & dim_ok
-            elif padded_dim != head_dim:
-                kv_ok = jnp.broadcast_to(dim_ok, (block_kv, padded_dim))
-            else:
-                kv_ok = None
-            other = None if kv_ok is None else 0.0
-            rows = pl.ds(k_start - prefix + k0, block_kv)
-            return plgpu.load(ref.at[rows, kvh, dims], mask=kv_ok, other=other)
-
-        def locate(k0):
-            """Pages `[block_kv]` and offsets of keys k0.. in the cache (pages of keys past the
-            prefix read as 0)."""
-            t = k0 + jnp.arange(block_kv)
-            stored_at = ring_position(t, cached[1])
-            page_size, max_pages = k_pool.shape[2], table_ref.shape[1]
-            col = stored_at // page_size
-            ok = (t < prefix) & (col < max_pages)
-            pages = plgpu.load(table_ref.at[seq, col], mask=ok, other=0)
-            pages = jnp.clip(
-                pages, 0, k_pool.shape[0] - 1
-            )  # a corrupt table never reads off the pool
-            return pages, stored_at % page_size
-
-        def load_cached(pool, scale, located, rows_ok):  # [block_kv, Dp]
-            pages, offsets = located
-            at = (pages[:, None], kvh, offsets[:, None])
-            return read_rows(pool, scale, cached[0], at, rows_ok, head_dim, q_ref.dtype)
-
-        def load_mixed(ref, pool, scale, k0):  # [block_kv, Dp]: cached rows, then new rows
-            t = k0 + jnp.arange(block_kv)
-            in_cache = t < prefix
-            tile = load_cached(pool, scale, locate(k0), in_cache)
-            fresh_ok = (t >= prefix) & (t < kv_len)
-            rows = (k_start - prefix + t)[:, None]
-            cols = jnp.arange(padded_dim)[None, :]
-            fresh = plgpu.load(ref.at[rows, kvh, cols], mask=fresh_ok[:, None] & dim_ok, other=0.0)
-            return jnp.where(in_cache[:, None], tile, fresh)
-
-        def body(masked, source, q, block, carry):
-            k0 = block * block_kv
-            if source == "new":
-                load = functools.partial(load_new, k0=k0, masked=masked)
-                k, load_v = load(k_ref), lambda: load(v_ref)
-            else:  # "both"
-                k = load_mixed(k_ref, k_pool, k_scale, k0)
-                load_v = lambda: load_mixed(v_ref, v_pool, v_scale, k0)  # noqa: E731
+        def attend(q, k, load_v, k0, masked, carry):
             s = logits(q, k, k0, masked)  # [block_q, block_kv], base-2 units
             return softmax_update(carry, s, load_v, precision)
 
-        def cached_body(masked, q, block, carry):
-            """A block inside the prefix. Its page ids were loaded by the previous step, so
-            the K/V loads do not wait on a table load and pipeline across steps."""
-            carry, located = carry
-            k0 = block * block_kv
-            k = load_cached(k_pool, k_scale, located, None)  # every row is cached: no mask
-            s = logits(q, k, k0, masked)
-            load_v = lambda: load_cached(v_pool, v_scale, located, None)  # noqa: E731
-            return softmax_update(carry, s, load_v, precision), locate(k0 + block_kv)
-
         def run(lo, hi, masked, carry, q=q):
-            """Key blocks [lo, hi), each loaded from where its keys are."""
-            if cached is None:
-                return jax.lax.fori_loop(lo, hi, functools.partial(body, masked, "new", q), carry)
-            cache_end, new_start = prefix // block_kv, pl.cdiv(prefix, block_kv)
-            end = jnp.maximum(lo, jnp.minimum(hi, cache_end))
-            step = functools.partial(cached_body, masked, q)
-            carry, _ = jax.lax.fori_loop(lo, end, step, (carry, locate(lo * block_kv)))
-            for source, start, end in (
-                ("both", jnp.maximum(lo, cache_end), jnp.minimum(hi, new_start)),
-                ("new", jnp.maximum(lo, new_start), hi),
-            ):
-                step = functools.partial(body, masked, source, q)
-                carry = jax.lax.fori_loop(start, jnp.maximum(start, end), step, carry)
-            return carry
+            return keys.run(lo, hi, masked, carry, functools.partial(attend, q))
 
         # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
         # what every valid row sees, so blocks inside it skip the mask.
