@@ -37,10 +37,7 @@ from jaxtyping import Array, Int
 from pallas_kernels import rope_read
 from pallas_kernels.cache_read import CacheFormat
 from pallas_kernels.common import (
-    LOG2E,
-    MASK_VALUE,
     next_power_of_2,
-    relative_position_bucket,
     softmax_finish,
     softmax_init,
     softmax_update,
@@ -48,6 +45,7 @@ from pallas_kernels.common import (
 )
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 from pallas_kernels.flash_prefill.keys import CacheRefs, KeyBlocks
+from pallas_kernels.flash_prefill.logits import TermRefs, TileLogits
 from pallas_kernels.output import FP8, inverse_scale, output_value
 
 
@@ -176,10 +174,13 @@ def _flash_prefill_kernel(
         cache_refs = CacheRefs(table_ref, k_pool, v_pool, k_scale, v_scale, *cached)
     # RoPE on read: q' [Tq_all, Hq, D] (rope_read), cos and sin tables float32 [R, D].
     rope_refs = [refs.pop(0) for _ in range(3)] if has_rope else None
-    bias_ref = refs.pop(0) if has_bias else None  # [Bb, Hb, Rq, Rk]
-    mask_ref = refs.pop(0) if has_mask else None  # [Bm, Hm, Rq, Rk]
-    alibi_ref = refs.pop(0) if has_alibi else None  # [Hq]
-    rel_ref = refs.pop(0) if has_rel else None  # [Hq, num_buckets]
+    terms = TermRefs(
+        bias=refs.pop(0) if has_bias else None,  # [Bb, Hb, Rq, Rk]
+        mask=refs.pop(0) if has_mask else None,  # [Bm, Hm, Rq, Rk]
+        alibi=refs.pop(0) if has_alibi else None,  # [Hq]
+        rel=refs.pop(0) if has_rel else None,  # [Hq, num_buckets]
+        rope_tables=rope_refs[1:] if has_rope else None,
+    )
     inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
     o_ref = refs.pop(0)  # [Tq_all, Hq, D]
     lse_ref = refs.pop(0) if has_lse else None  # [Hq, Tq_all]
@@ -225,69 +226,22 @@ def _flash_prefill_kernel(
             )
             q = rope_read.tile_queries(q, q2, rope_refs[1:], q_pos, kv_len - q_len + r0, *rope_cols,
                                        params.window, params.sink_tokens)  # fmt: skip
-        # Base-2 softmax: fold log2(e) into the scale so the inner loop calls exp2.
-        qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
-        extra_scale = 1.0 if params.soft_cap is not None else LOG2E
-
-        def tile_of(ref, b_idx, cols, col_ok, other):
-            """The [block_q, block_kv] slice of a broadcastable [B, H, Rq, Rk] operand."""
-            zero = jnp.int32(0)  # (interpret mode wants array indices, not Python ints)
-            bb = b_idx if ref.shape[0] > 1 else zero
-            hb = h if ref.shape[1] > 1 else zero
-            row0 = (q_start if params.packed_coords else 0) + r0
-            col0 = (k_start if params.packed_coords else 0) + cols
-            rq = pl.ds(row0, block_q) if ref.shape[2] > 1 else pl.ds(0, 1)
-            rk = pl.ds(col0, block_kv) if ref.shape[3] > 1 else pl.ds(0, 1)
-            ok = (row_store[:, None] if ref.shape[2] > 1 else True) & (
-                col_ok[None, :] if ref.shape[3] > 1 else True
-            )
-            shape = (block_q if ref.shape[2] > 1 else 1, block_kv if ref.shape[3] > 1 else 1)
-            ok = jnp.broadcast_to(ok, shape)
-            val = plgpu.load(ref.at[bb, hb, rq, rk], mask=ok, other=other)
-            return jnp.broadcast_to(val, (block_q, block_kv))
-
-        def logits(q, k, k0, masked):
-            cols = k0 + jnp.arange(block_kv)  # [block_kv] key positions
-            col_ok = cols < kv_len
-            if has_rope:
-                s = rope_read.tile_scores(q, k, cols, rope_refs[1:], *rope_cols, precision)
-            else:
-                s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
-            s = s * qk_scale
-            extra = None
-            if has_bias:
-                extra = tile_of(bias_ref, seq, k0, col_ok, 0.0).astype(jnp.float32)
-            if has_alibi:
-                dist = jnp.abs(q_pos[:, None] - cols[None, :]).astype(jnp.float32)
-                term = -alibi_ref[h] * dist
-                extra = term if extra is None else extra + term
-            if has_rel:
-                rel = cols[None, :] - q_pos[:, None]
-                buckets = relative_position_bucket(
-                    rel, rel_ref.shape[-1], params.rel_max_distance, params.rel_bidirectional
-                )
-                term = rel_ref[h, buckets]
-                extra = term if extra is None else extra + term
-            if extra is not None:
-                s = s + extra * extra_scale
-            if params.soft_cap is not None:
-                s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
-            if has_bias:  # A -inf bias masks the key; keep every logit finite.
-                s = jnp.maximum(s, MASK_VALUE)
-            visible = None
-            if masked:
-                visible = jnp.broadcast_to(col_ok[None, :], (block_q, block_kv))
-                if params.causal:
-                    visible &= cols[None, :] <= q_pos[:, None]
-                if params.window is not None:
-                    in_window = cols[None, :] > q_pos[:, None] - params.window
-                    if params.sink_tokens:
-                        in_window |= cols[None, :] < params.sink_tokens
-                    visible &= in_window
-            if has_mask:
-                allowed = tile_of(mask_ref, seq, k0, col_ok, False)
-                visible = allowed if visible is None else visible & allowed
-            return s if visible is None else jnp.where(visible, s, MASK_VALUE)
+        logits = TileLogits(
+            params,
+            terms,
+            h,
+            seq,
+            q_start,
+            k_start,
+            r0,
+            row_store,
+            q_pos,
+            kv_len,
+            block_q,
+            block_kv,
+            precision,
+            rope_cols=rope_cols if has_rope else None,
+        )
 
         # Keys below `prefix` come from the cache (none without one); new keys are packed
         # rows `k_start + (position - prefix)`.
