@@ -201,6 +201,10 @@ PACKED = [
     ),
     Packed(name="long_mixed", q_lens=(1, 300 - 1 - 37 - 5, 37), kv_lens=(1, 257, 37),
            causal=True, window=60, sink_tokens=4, slow=True),
+    # More real tiles (24) than the kernel launches programs (a program per block_q tokens
+    # plus 8): programs loop over several tiles.
+    Packed(name="many_short_loop_tiles", q_lens=tuple(1 + i % 3 for i in range(24)),
+           kv_lens=tuple(2 + i % 5 for i in range(24)), causal=True),
 ]  # fmt: skip
 
 
