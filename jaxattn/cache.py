@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from jaxattn.quant import KVQuant, dequantize, group_scales, quantize
 
-__all__ = ["PagedKVCache", "copy_pages", "gather_kv", "stored_values", "write_kv"]
+__all__ = ["PagedKVCache", "copy_pages", "gather_kv", "write_kv", "write_kv_stored"]
 
 
 def _tensor_scale(name: str, value) -> jax.Array:
@@ -188,26 +188,6 @@ def _encode(cache: PagedKVCache, x, scales):
     return quantize(x, token_scales, quant), token_scales
 
 
-def stored_values(
-    cache: PagedKVCache, k: Float[Array, "T Hkv D"], v: Float[Array, "T Hkv D"], dtype
-) -> tuple[Float[Array, "T Hkv D"], Float[Array, "T Hkv D"]]:
-    """The values `write_kv(cache, k, v, ...)` stores, as a later read returns them in
-    `dtype` (quantized and dequantized; unquantized: cast to the pools' dtype): what
-    attention sees of new tokens without reading them back from the pages."""
-
-    def round_trip(x, scales):
-        stored, token_scales = _encode(cache, x, scales)
-        # XLA on GPU folds a convert to a narrower float and back into nothing (excess
-        # precision): the barrier keeps the rounding to the stored dtype.
-        stored = jax.lax.optimization_barrier(stored)
-        if cache.quant is None:
-            return stored.astype(dtype)
-        scales = scales if token_scales is None else token_scales
-        return dequantize(stored, scales, cache.quant, jnp.float32).astype(dtype)
-
-    return round_trip(k, cache.k_scales), round_trip(v, cache.v_scales)
-
-
 def write_kv(
     cache: PagedKVCache,
     k: Float[Array, "T Hkv D"],
@@ -227,6 +207,26 @@ def write_kv(
         step = jax.jit(write_kv, donate_argnums=0)
         cache = step(cache, k, v, slots)
     """
+    return _write(cache, k, v, slot_mapping, None)[0]
+
+
+def write_kv_stored(
+    cache: PagedKVCache,
+    k: Float[Array, "T Hkv D"],
+    v: Float[Array, "T Hkv D"],
+    slot_mapping: Int[Array, " T"],
+    dtype,
+) -> tuple[PagedKVCache, Float[Array, "T Hkv D"], Float[Array, "T Hkv D"]]:
+    """`write_kv`, and the values it stored as a later read returns them in `dtype`
+    (quantized and dequantized; unquantized: cast to the pools' dtype), from the same
+    encoding: what attention sees of the new tokens without reading them back.
+    Returns `(cache, k_stored, v_stored)`."""
+    return _write(cache, k, v, slot_mapping, dtype)
+
+
+def _write(cache, k, v, slot_mapping, read_dtype):
+    """`write_kv`'s checks and scatter; with `read_dtype`, also the stored values read
+    back in it (else None)."""
     cache.check()
     if k.shape != v.shape or k.ndim != 3:
         raise ValueError(f"{k.shape=} and {v.shape=}: expected equal shapes [T, Hkv, D]")
@@ -250,15 +250,26 @@ def write_kv(
     def scatter(pages, x):  # pages [N, Hkv, P, X], x [T, Hkv, X]
         return pages.at[page, :, offset].set(x, mode="drop", unique_indices=True)
 
+    def read_back(stored, scales):
+        # XLA on GPU folds a convert to a narrower float and back into nothing (excess
+        # precision): the barrier keeps the rounding to the stored dtype.
+        stored = jax.lax.optimization_barrier(stored)
+        if cache.quant is None:
+            return stored.astype(read_dtype)
+        return dequantize(stored, scales, cache.quant, jnp.float32).astype(read_dtype)
+
     def write(pages, scales, x):
         stored, token_scales = _encode(cache, x, scales)
+        read = None
+        if read_dtype is not None:
+            read = read_back(stored, scales if token_scales is None else token_scales)
         if token_scales is not None:
             scales = scatter(scales, token_scales)
-        return scatter(pages, stored), scales
+        return scatter(pages, stored), scales, read
 
-    k_pages, k_scales = write(cache.k_pages, cache.k_scales, k)
-    v_pages, v_scales = write(cache.v_pages, cache.v_scales, v)
-    return PagedKVCache(k_pages, v_pages, k_scales, v_scales, quant=cache.quant)
+    k_pages, k_scales, k_read = write(cache.k_pages, cache.k_scales, k)
+    v_pages, v_scales, v_read = write(cache.v_pages, cache.v_scales, v)
+    return PagedKVCache(k_pages, v_pages, k_scales, v_scales, quant=cache.quant), k_read, v_read
 
 
 def copy_pages(

@@ -27,7 +27,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 from jaxattn import reference, streaming, validation
-from jaxattn.cache import PagedKVCache, stored_values, write_kv
+from jaxattn.cache import PagedKVCache, write_kv_stored
 from jaxattn.decode import cache_format
 from jaxattn.dispatch import run_first
 from jaxattn.metadata import AttentionMetadata
@@ -180,8 +180,7 @@ def paged_attention(
     if rope is not None and not rope_on_read:
         q = apply_rope(q, meta.positions, rope)
         k = apply_rope(k, meta.positions, rope)
-    new_cache = write_kv(cache, k, v, meta.slot_mapping)
-    k_new, v_new = stored_values(cache, k, v, q.dtype)
+    new_cache, k_new, v_new = write_kv_stored(cache, k, v, meta.slot_mapping, q.dtype)
 
     def run(impl):
         if impl == "xla":

@@ -375,7 +375,7 @@ def paged_attention_reference(
     """In-flight batching attention (spec of `jaxattn.paged_attention`, after RoPE).
 
     q `[T, Hq, D]`; k_new, v_new `[T, Hkv, D]`: the step's new keys and values as the cache
-    stores them (`jaxattn.cache.stored_values`); cache: the cache BEFORE this step's write;
+    stores them (`jaxattn.cache.write_kv_stored`); cache: the cache BEFORE this step's write;
     meta: the `AttentionMetadata`. Token i of row s sits at position
     `context_lens[s] - q_len[s] + i` and attends causally to the row's cached prefix (its
     first `context_lens[s] - q_len[s]` positions, read through its block table) and to the
