@@ -281,20 +281,31 @@ def bench_impl(
     return timed_row(settings, row, timing, work, notes=join_notes(notes, check))
 
 
-def timed_row(settings: Settings, row: Row, timing: Timing, work: float, notes: str) -> Row:
-    """`row` with its times, its rate (`work` per second in `row.unit`) and the rate's share
-    of this run's ceiling; printed as it is returned."""
-    rate = work / timing.median_s / 1e12
+def timed_row(
+    settings: Settings,
+    row: Row,
+    timing: Timing,
+    work: float,
+    notes: str,
+    *,
+    rate: float | None = None,
+    work_unit: str | None = None,
+) -> Row:
+    """`row` with its times, its rate (default: `work` per second in `row.unit`) and the
+    share of this run's ceiling that `work` per second reaches (`work_unit`, default
+    `row.unit`: "TFLOP/s" against the matmul ceiling, else bytes against the copy
+    ceiling); printed as it is returned."""
+    throughput = work / timing.median_s / 1e12
     c = settings.ceilings
-    ceiling = c.matmul_tflops if row.unit == "TFLOP/s" else c.copy_tbps
+    ceiling = c.matmul_tflops if (work_unit or row.unit) == "TFLOP/s" else c.copy_tbps
     return progress(
         dataclasses.replace(
             row,
             time_ms=timing.median_s * 1e3,
             min_ms=timing.min_s * 1e3,
             max_ms=timing.max_s * 1e3,
-            rate=rate,
-            pct_ceiling=100 * rate / ceiling,
+            rate=throughput if rate is None else rate,
+            pct_ceiling=100 * throughput / ceiling,
             notes=notes,
         )
     )

@@ -45,6 +45,7 @@ from bench.common import (
     progress,
     relative_error,
     time_carried,
+    timed_row,
 )
 
 SET_NAME = "model"
@@ -231,17 +232,8 @@ def _row(settings, shape, impl, model, caches, tokens, meta, ref, lowp_err, *, s
     except Exception as e:  # cuDNN missing off-GPU; ours must run
         status = "FAILED" if impl == "ours" else "skipped"
         return progress(dataclasses.replace(row, status=status, notes=describe_error(e)))
-    return progress(
-        dataclasses.replace(
-            row,
-            time_ms=timing.median_s * 1e3,
-            min_ms=timing.min_s * 1e3,
-            max_ms=timing.max_s * 1e3,
-            rate=shape.batch / timing.median_s / 1e3,
-            pct_ceiling=100 * work / timing.median_s / 1e12 / settings.ceilings.copy_tbps,
-            notes=check,
-        )
-    )
+    rate = shape.batch / timing.median_s / 1e3  # thousand tokens per second
+    return timed_row(settings, row, timing, work, check, rate=rate, work_unit="TB/s")
 
 
 def model_set(settings: Settings) -> SetResult:

@@ -243,39 +243,15 @@ def _chunk_rows(settings: Settings, heads) -> list[Row]:
     config = jaxattn.FlashPrefillConfig.heuristic(
         chunk, prefix + chunk, heads[2], q.dtype, True, lengths=True, packed=True, paged=True
     )
-    rows.append(
-        _row(
-            settings,
-            "serving_chunk",
-            shape,
-            "ours",
-            _ours(),
-            cache,
-            args,
-            ref,
-            work=flops,
-            unit="TFLOP/s",
-            notes=f"config {config_label(config)} (heuristic)",
-        )
-    )
+    variants = [(None, f"config {config_label(config)} (heuristic)", False)]
     if settings.sweep:
-        for spec in settings.sweep_configs or DEFAULT_SWEEP:
-            rows.append(
-                _row(
-                    settings,
-                    "serving_chunk",
-                    shape,
-                    "ours",
-                    _ours(parse_config(spec)),
-                    cache,
-                    args,
-                    ref,
-                    work=flops,
-                    unit="TFLOP/s",
-                    notes=f"sweep {spec}",
-                    sweep=True,
-                )
-            )
+        specs = settings.sweep_configs or DEFAULT_SWEEP
+        variants += [(parse_config(spec), f"sweep {spec}", True) for spec in specs]
+    for variant, notes, sweep in variants:
+        rows.append(
+            _row(settings, "serving_chunk", shape, "ours", _ours(variant), cache, args, ref,
+                 work=flops, unit="TFLOP/s", notes=notes, sweep=sweep)
+        )  # fmt: skip
     if rows[0].rate and rows[1].rate:
         rows[1] = progress(
             dataclasses.replace(
