@@ -341,62 +341,67 @@ def _pallas(
         interpret=interpret,
         **quant_out,
     )
-    # A step without context rows launches only the flash kernel's few looping programs,
-    # which find no tile (flash_prefill); a decode-only plan does not launch it at all.
-    out_p = lse_p = None
-    if relative_bias is not None or not meta.decode_only:
-        out_p, lse_p = context(q, k_new, v_new, batch)
-    if relative_bias is not None:
-        out, lse = out_p, lse_p
-    else:
-        # Generation rows: each row's one token, over the cache after the write.
-        first = jnp.minimum(cu[:-1], num_tokens - 1)
-        decode_config = config.decode or PagedDecodeConfig.heuristic(
-            meta.max_seqs,
-            cache.num_kv_heads,
-            meta.max_pages * cache.page_size,
-            cache.page_size,
-            quantized=cache.quant is not None,
+    if relative_bias is not None:  # every row takes the flash kernel
+        return _zero_padding(*context(q, k_new, v_new, batch), real, out_dtype)
+    decode_config = config.decode or PagedDecodeConfig.heuristic(
+        num_tokens if meta.decode_only else meta.max_seqs,
+        cache.num_kv_heads,
+        meta.max_pages * cache.page_size,
+        cache.page_size,
+        quantized=cache.quant is not None,
+    )
+    if rope is not None and config.decode is None:
+        # The same float32 table tiles per stage: at most 64 keys, not pipelined
+        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
+        decode_config = dataclasses.replace(
+            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
         )
-        if rope is not None and config.decode is None:
-            # The same float32 table tiles per stage: at most 64 keys, not pipelined
-            # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
-            decode_config = dataclasses.replace(
-                decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
-            )
-        out_d, lse_d = paged_decode(
-            q[first],
-            cache.k_pages,
-            cache.v_pages,
-            meta.block_tables,
-            jnp.where(decode_rows, meta.context_lens, 0),
-            k_scales=cache.k_scales,
-            v_scales=cache.v_scales,
-            alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
-            rope=None if rope is None else rope.take(first),
-            params=DecodeParams(
-                window=options.window,
-                sink_tokens=options.sink_tokens,
-                soft_cap=options.soft_cap,
-                scale=options.scale,
-                ring=meta.ring,
-            ),
-            config=decode_config,
-            fmt=fmt,
-            interpret=interpret,
-            **quant_out,
-        )
-        from_decode = decode_rows[rows]
-        if out_p is None:  # decode_only: every real token is its row's one token
-            real &= from_decode
-            out, lse = out_d[rows], lse_d[rows].T
-        else:
-            out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
-            lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
-    # Padding tokens: no tile wrote them.
+    decode = functools.partial(
+        paged_decode,
+        k_pages=cache.k_pages,
+        v_pages=cache.v_pages,
+        k_scales=cache.k_scales,
+        v_scales=cache.v_scales,
+        alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+        params=DecodeParams(
+            window=options.window,
+            sink_tokens=options.sink_tokens,
+            soft_cap=options.soft_cap,
+            scale=options.scale,
+            ring=meta.ring,
+        ),
+        config=decode_config,
+        fmt=fmt,
+        interpret=interpret,
+        **quant_out,
+    )
+    if meta.decode_only:
+        # Token t is the one new token of row rows[t]: the kernel's batch is the tokens
+        # themselves, q read and the output written in place (no row gathers around the
+        # kernel). Padding tokens get length 0: zeros and lse -inf from the kernel.
+        lens = jnp.where(real & decode_rows[rows], meta.context_lens[rows], 0)
+        out, lse = decode(q, block_tables=meta.block_tables[rows], context_lens=lens, rope=rope)
+        return out, lse.T
+    # Context rows: the flash kernel; generation rows: each row's one token, over the
+    # cache after the write.
+    out_p, lse_p = context(q, k_new, v_new, batch)
+    first = jnp.minimum(cu[:-1], num_tokens - 1)
+    out_d, lse_d = decode(
+        q[first],
+        block_tables=meta.block_tables,
+        context_lens=jnp.where(decode_rows, meta.context_lens, 0),
+        rope=None if rope is None else rope.take(first),
+    )
+    from_decode = decode_rows[rows]
+    out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
+    lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
+    return _zero_padding(out, lse, real, out_dtype)
+
+
+def _zero_padding(out, lse, real, out_dtype):
+    """Padding tokens, which no flash tile writes: zeros and lse -inf."""
     out = jnp.where(real[:, None, None], out, jnp.zeros((), out_dtype)).astype(out_dtype)
-    lse = jnp.where(real[None, :], lse, -jnp.inf)
-    return out, lse
+    return out, jnp.where(real[None, :], lse, -jnp.inf)
 
 
 def _rope_tables(read_rope, q, meta, cache, options, block_q):

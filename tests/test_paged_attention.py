@@ -117,6 +117,7 @@ class Opts:
     rope: jaxattn.RoPE | None = None
     return_lse: bool = False
     poison: str = "nan"  # padding tokens and never-written cache slots: "nan" or "huge"
+    config: jaxattn.PagedAttentionConfig | None = None  # None: the heuristics
 
     def __str__(self):
         return self.name
@@ -142,7 +143,7 @@ class Opts:
 def attention_fn(impl: str, opts: Opts, impl_kw: dict):
     return jax.jit(
         functools.partial(
-            jaxattn.paged_attention, implementation=impl, config=None,
+            jaxattn.paged_attention, implementation=impl, config=opts.config,
             return_lse=opts.return_lse, **impl_kw,
         )
     )  # fmt: skip
@@ -392,6 +393,17 @@ GENERATION = (Row(9, 1), Row(4, 1), Row(0, 1), Row(3, 1), Row(5, 0), Row(0, 0), 
     [
         Opts("gqa", hkv=2, return_lse=True),
         Opts("window_sinks_alibi", window=4, sink_tokens=1, alibi=True, poison="huge"),
+        # Split-K: the query's own key (written by the kernel) is taken by split 0 alone.
+        Opts(
+            "splits_softcap_rope",
+            hkv=1,
+            soft_cap=2.0,
+            rope=jaxattn.RoPE(theta=100.0),
+            return_lse=True,
+            config=jaxattn.PagedAttentionConfig(
+                decode=jaxattn.PagedDecodeConfig(block_kv=16, num_splits=3)
+            ),
+        ),
     ],
     ids=str,
 )

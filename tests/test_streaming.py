@@ -21,6 +21,7 @@ import pytest
 import util
 from paged_oracle import streaming_step_oracle
 from test_paged_attention import (
+    GENERATION,
     HQ,
     MIXED,
     ROPE_TOL,
@@ -127,9 +128,11 @@ def check_against_oracle(out, q, cu, context_lens, rows, rope, *, oracle_kw, wha
     return want_lse
 
 
-def run_calls(rows, case: Case, impl, *, quant=None, config=None, seed=0, what=""):
+def run_calls(rows, case: Case, impl, *, quant=None, config=None, seed=0, what="",
+              decode_only=False):  # fmt: skip
     """The first call writes every prefix, the second runs `rows` mixed (random batch
-    order); both checked. Returns the world and the second call's output."""
+    order; a `decode_only` plan if asked); both checked. Returns the world and the second
+    call's output."""
     rng = util.rng_for("streaming", what, str(case), str(quant), impl, seed)
     impl_kw, oracle_kw = case.kwargs()
     lengths = [r.prefix + r.new for r in rows]
@@ -145,7 +148,8 @@ def run_calls(rows, case: Case, impl, *, quant=None, config=None, seed=0, what="
     for i, call in enumerate(calls):
         _, out = world.step(call, fn, max_tokens=max_tokens, max_seqs=len(rows) + 2,
                             oracle_kw=oracle_kw, return_lse=case.return_lse,
-                            what=f"{what} call {i}")  # fmt: skip
+                            what=f"{what} call {i}",
+                            decode_only=decode_only and i == 1)  # fmt: skip
     return world, out
 
 
@@ -157,6 +161,13 @@ def test_mixed_batch(rope, impl):
     longer rows' queries sit at positions within the cache up to 5 below their own."""
     run_calls(MIXED, Case(ROPES[rope], hkv=2 if rope != "gptj_partial" else 1), impl,
               what=rope)  # fmt: skip
+
+
+@impls
+def test_decode_only_plan(impl):
+    """A generation-only step planned as such: the decode kernel reads q and the tables'
+    rows per token (rows in random order, padding rows among them)."""
+    run_calls(GENERATION, Case(ROPES["llama3"]), impl, what="decode_only", decode_only=True)
 
 
 @impls

@@ -175,7 +175,7 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
     assert "triton" in text
 
 
-def _meta_spec(num_tokens, num_seqs, max_pages, ring=None):
+def _meta_spec(num_tokens, num_seqs, max_pages, ring=None, decode_only=False):
     i32 = lambda *shape: _spec(shape, jnp.int32)  # noqa: E731
     return jaxattn.AttentionMetadata(
         cu_seqlens_q=i32(num_seqs + 1),
@@ -185,6 +185,7 @@ def _meta_spec(num_tokens, num_seqs, max_pages, ring=None):
         slot_mapping=i32(num_tokens),
         seq_ids=i32(num_seqs),
         ring=ring,
+        decode_only=decode_only,
     )
 
 
@@ -200,15 +201,18 @@ def _meta_spec(num_tokens, num_seqs, max_pages, ring=None):
      dict(relative_bias=jaxattn.RelativeBias(jnp.zeros((32, 32), jnp.float32), 128, False)),
      dict(alibi_slopes=_spec((32,), jnp.float32), soft_cap=30.0, return_lse=True),
      dict(window=100, sink_tokens=4, ring=(16, 112), rope_on_read=True,
-          rope=jaxattn.RoPE(theta=500000.0, rotary_dim=64, scaling=jaxattn.Llama3Scaling(8.0)))],
-    ids=["plain", "window_ring", "t5", "alibi_softcap_lse", "rope_on_read_ring"],
+          rope=jaxattn.RoPE(theta=500000.0, rotary_dim=64, scaling=jaxattn.Llama3Scaling(8.0))),
+     dict(decode_only=True, soft_cap=30.0, return_lse=True)],
+    ids=["plain", "window_ring", "t5", "alibi_softcap_lse", "rope_on_read_ring", "decode_only"],
 )  # fmt: skip
 def test_paged_attention_lowers_to_triton(quant, options):
     """Both kernels of a serving step: the flash kernel reading a paged (quantized,
     possibly cyclic) prefix, and the decode kernel; with rope_on_read, both rotate on
-    read (StreamingLLM)."""
+    read (StreamingLLM). A decode-only plan over a float cache: the decode kernel alone,
+    writing the new K/V itself."""
     options = dict(options)
     ring = options.pop("ring", None)
+    decode_only = options.pop("decode_only", False)
     arrays, static = _split(options)
     head_dim, page_size, num_pages = 128, 16, 64
     fn = jax.jit(
@@ -231,7 +235,7 @@ def test_paged_attention_lowers_to_triton(quant, options):
         _spec((96, 8, head_dim)),
         _spec((96, 8, head_dim)),
         jaxattn.PagedKVCache(pages, pages, *scales, quant=quant),
-        _meta_spec(96, 8, 8, ring),
+        _meta_spec(96, 8, 8, ring, decode_only),
         arrays,
     )
     assert "triton" in text
