@@ -12,7 +12,10 @@ batch's tile count is a static bound (a tile per `block_q` rows, plus one per se
 its ragged end): there a program loops over the tiles `first + i * programs` with rows,
 and the grid holds one program per `block_q` tokens plus a few, not one per potential
 tile. (A serving step of 64 rows launched ~2,500 programs per layer for its 512 tiles, each
-holding its shared memory until it found it had nothing to do.)
+holding its shared memory until it found it had nothing to do.) When that grid holds a
+program per potential tile anyway (one sequence, or a few), each takes its own tile
+without the loop: 2-3% faster on a 2048-token chunk and a 16k-token packed sequence
+(H100, 2026-11-22 14:30 UTC probe).
 
 Chunked context (`CachedPrefix`): a packed sequence's first `kv_len - q_len` keys may come
 from a paged KV cache instead (read through its block table, dequantized on load), and only
@@ -158,6 +161,7 @@ def _flash_prefill_kernel(
     cached: tuple[CacheFormat, tuple[int, int] | None] | None,
     has_rope: bool,
     quantize: bool,
+    tile_loop: bool,
 ):
     has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
@@ -319,10 +323,13 @@ def _flash_prefill_kernel(
 
     if dense_shape is not None:
         one_tile(pl.program_id(1))
-    else:  # A program per potential tile would launch mostly empty ones: loop instead.
+    elif tile_loop:  # A program per potential tile would launch mostly empty ones: loop.
         first, stride = pl.program_id(1), pl.num_programs(1)
         trips = pl.cdiv(jnp.maximum(index_ref[0, _NUM_REAL] - first, 0), stride)
         jax.lax.fori_loop(0, trips, lambda i, c: (one_tile(first + i * stride), c)[1], 0)
+    else:  # As many programs as potential tiles: one each, if real.
+        tile = pl.program_id(1)
+        pl.when(tile < index_ref[0, _NUM_REAL])(lambda: one_tile(tile))
 
 
 @functools.partial(
@@ -432,6 +439,7 @@ def flash_prefill(
         cached=cache_layout,
         has_rope=rope is not None,
         quantize=quantize,
+        tile_loop=num_programs < num_tiles,
     )
     outs = whole_array_call(
         kernel,
