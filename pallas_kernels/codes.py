@@ -5,23 +5,27 @@ one element at a time, Triton's conversions (FP8 goes e4m3 -> f16 -> f32 -> bf16
 nibbles int -> float) run on Hopper's quarter-rate conversion units and cap the kernel
 below the memory bandwidth.
 
-Here one asm block takes a 32-bit register of four packed codes and builds the bfloat16
-bit patterns of two 16-bit lanes at a time with byte permutes and logic operations, then
-fixes the value with one exact packed bf16 FMA (`fma.rn.bf16x2`, sm_80+), the trick of
+Here one asm block takes a 32-bit register of four packed codes and builds the bit
+patterns of floats whose value is the code plus a constant, with byte permutes and logic
+operations, then removes the constant with one exact packed operation, the trick of
 FasterTransformer's fast integer converters:
 
 - FP8 e4m3 `s eeee mmm`: placed as `s 000 eeee mmm 0000` it is the bf16 with exponent
   `eeee` and mantissa `mmm` (subnormal codes: a bf16 subnormal), times 2**120 (the
-  difference of the exponent biases, 127 - 7). Codes are never NaN (writes saturate).
+  difference of the exponent biases, 127 - 7), one `fma.rn.bf16x2` (sm_80+). Codes are
+  never NaN (writes saturate).
 - INT4 nibble `n` (two's complement): the lane `0x4300 | (n ^ 8)` is the bf16
-  `128 + n + 8`, plus -136.
-- INT8 keeps the plain cast: a packed form (`0x4300 | low7` plus `0xC300 | sign`) ran
-  slower on the H100 (B64 ctx16384 decode 1.020 ms, RESULTS.md 12:45 UTC, against the
-  plain cast's 0.929 ms at 12:56).
+  `128 + n + 8`, plus -136 (`fma.rn.bf16x2`).
+- INT8 code `c`: 9 significant bits do not fit a bf16 lane, so each becomes a float32
+  first: `c ^ 0x80` under the bytes `0x4B 00 00` is `2**23 + c + 128`; one `sub.f32`
+  leaves `c`, and `cvt.rn.bf16x2.f32` packs two (exact, |c| <= 128). (A bf16-only form,
+  `0x4300 | low7` plus `0xC300 | sign`, ran slower than the plain cast: RESULTS.md
+  12:45 UTC.)
 
 Every value is exact, the same number as the plain cast, which interpret mode (the CPU)
-computes instead: inline PTX runs on the GPU only. H100, B64 ctx16384 decode (RESULTS.md,
-12:56 UTC run): FP8 1.48x -> 1.66x the bf16 cache's speed, INT4 1.63x -> 2.36x.
+computes instead: inline PTX runs on the GPU only. H100, B64 ctx16384 decode, speed
+against the bf16 cache: FP8 1.48x -> 1.66x, INT4 1.63x -> 2.36x (RESULTS.md 12:56 UTC);
+INT8 1.57x -> 1.67x (fifth-session probe, same machine and run for both).
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ _LOW_BYTES = ("0x4140", "0x4342")
 _HIGH_BYTES = ("0x1404", "0x3424")
 
 
-def _program(constants: dict[str, str], steps: str, selectors) -> str:
-    """One asm block: registers t, x, s, z (= 0) and `constants`, then `steps` once per
-    output register, with `{out}` and `{sel}` (its byte permute) filled in; `$2` is the
-    input register (four codes)."""
-    lines = [f".reg .b32 t, x, s, z, {', '.join(constants)};", "mov.b32 z, 0;"]
+def _program(constants: dict[str, str], steps: str, selectors, prelude: str = "") -> str:
+    """One asm block: registers t, x, s, y, z (= 0) and `constants`, `prelude`, then
+    `steps` once per output register, with `{out}` and `{sel}` (its byte permute) filled
+    in; `$2` is the input register (four codes)."""
+    lines = [f".reg .b32 t, x, s, y, z, {', '.join(constants)};", "mov.b32 z, 0;"]
     lines += [f"mov.b32 {name}, {value};" for name, value in constants.items()]
+    lines += [prelude] if prelude else []
     body = "".join(steps.format(out=f"${i}", sel=sel) for i, sel in enumerate(selectors))
     return "{\n" + "\n".join(lines) + "\n" + body + "}"
 
@@ -59,20 +64,38 @@ fma.rn.bf16x2 {out}, x, scale, zero;
     _HIGH_BYTES,
 )
 
-# INT4: low nibbles, high nibbles; one result per asm block (Pallas lowers a multi-result
-# `elementwise_inline_asm` to a single value).
+# INT4: low nibbles, high nibbles (the input shifted once); one result per asm block
+# (Pallas lowers a multi-result `elementwise_inline_asm` to a single value). lop3 0x6A:
+# (a & b) ^ c, the nibble and its lane's bits 0x4308 in one operation.
 _INT4 = tuple(
     _program(
-        dict(one="0x3F803F80", bias="0xC308C308"),  # 1.0 and -136.0, twice
-        f"""prmt.b32 t, $2, z, {{sel}};
-shr.b32 x, t, {shift};
-and.b32 x, x, 0x000F000F;
-xor.b32 x, x, 0x43084308;
+        dict(one="0x3F803F80", bias="0xC308C308", mask="0x000F000F", magic="0x43084308"),
+        f"""prmt.b32 t, {source}, z, {{sel}};
+lop3.b32 x, t, mask, magic, 0x6A;
 fma.rn.bf16x2 {{out}}, x, one, bias;
 """,
         _LOW_BYTES,
+        prelude=prelude,
     )
-    for shift in (0, 4)
+    for source, prelude in (("$2", ""), ("y", "shr.b32 y, $2, 4;"))
+)
+
+
+# INT8: the code's byte with its sign bit flipped (c + 128, unsigned) under the bytes
+# 0x4B 00 00 is the float32 2**23 + c + 128; minus 2**23 + 128 it is c, exactly; two such
+# float32 become one bf16x2 register (exact: |c| <= 128).
+_INT8 = (
+    "{\n.reg .b32 x, t, s, high;\nmov.b32 high, 0x4B000000;\nxor.b32 x, $2, 0x80808080;\n"
+    + "".join(
+        f"""prmt.b32 t, x, high, 0x754{2 * i};
+prmt.b32 s, x, high, 0x754{2 * i + 1};
+sub.f32 t, t, 0f4B000080;
+sub.f32 s, s, 0f4B000080;
+cvt.rn.bf16x2.f32 ${i}, s, t;
+"""
+        for i in range(2)
+    )
+    + "}"
 )
 
 
@@ -99,6 +122,6 @@ def codes_to_bf16(raw, dtype: str, *, asm: bool) -> list:
         wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
         # Two's-complement nibble n: (n ^ 8) - 8.
         return [((((wide >> shift) & 0xF) ^ 8) - 8).astype(jnp.bfloat16) for shift in (0, 4)]
-    if asm and dtype == "float8_e4m3fn":
-        return [_asm(_FP8, raw)]
-    return [raw.astype(jnp.bfloat16)]  # INT8: the plain cast measured faster (module doc)
+    if asm:
+        return [_asm(_FP8 if dtype == "float8_e4m3fn" else _INT8, raw)]
+    return [raw.astype(jnp.bfloat16)]
