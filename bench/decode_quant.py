@@ -84,7 +84,11 @@ def decode_quant_set(settings: Settings) -> SetResult:
         )
         cache = write(cache, k, v, slots)
         config = jaxattn.PagedDecodeConfig.heuristic(
-            row.batch, num_kv_heads, row.context, page_size, quantized=quant is not None
+            row.batch,
+            num_kv_heads,
+            row.context,
+            page_size,
+            code=None if quant is None else quant.dtype,
         )
         kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
         kv_bytes *= bytes_per_token_head(quant, head_dim)

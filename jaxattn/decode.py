@@ -216,7 +216,7 @@ def _pallas(
             cache.num_kv_heads,
             block_tables.shape[1] * cache.page_size,
             cache.page_size,
-            quantized=cache.quant is not None,
+            code=cache_format(cache).dtype,
         )
     params = DecodeParams(
         window=None if window is None else int(window),

@@ -348,7 +348,7 @@ def _pallas(
         cache.num_kv_heads,
         meta.max_pages * cache.page_size,
         cache.page_size,
-        quantized=cache.quant is not None,
+        code=cache_format(cache).dtype,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined

@@ -49,7 +49,7 @@ class PagedDecodeConfig:
         page_size: int,
         sm_count=None,
         *,
-        quantized: bool = False,
+        code: str | None = None,
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
@@ -59,20 +59,23 @@ class PagedDecodeConfig:
           two 128-token blocks (the split's start-up and the combine pass then stay
           small); 128-token blocks in 2 stages were best with ragged lengths (programs of
           short sequences finish early) and within 3% of the best otherwise.
-        - quantized caches (in-kernel dequantization): 128-token blocks, 2 stages and at
-          least two splits were best for every format at B64 ctx16384 (up to 1.35x over
-          64x4x3 unsplit).
+        - quantized caches (`code`: "int8", "float8_e4m3fn", "int4"; in-kernel
+          dequantization): 128-token blocks and at least two splits were best for every
+          format at B64 ctx16384 (up to 1.35x over 64x4x3 unsplit); 2 stages, except INT4:
+          3 stages ran 4% faster there (0.561 vs 0.583 ms), INT8 2% slower (fifth-session
+          sweep, RESULTS.md probes).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
         sm_count = sm_count or _sm_count()
         programs = batch * num_kv_heads
-        if programs >= sm_count and not quantized:
+        if programs >= sm_count and code is None:
             return cls(block_kv=64, num_splits=1, num_warps=4, num_stages=3)
         block_kv = 128
-        splits = max(-(-2 * sm_count // programs), 2 if quantized else 1)
+        splits = max(-(-2 * sm_count // programs), 1 if code is None else 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
-        return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
+        stages = 3 if code == "int4" else 2
+        return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=stages)
 
 
 def _sm_count() -> int:
