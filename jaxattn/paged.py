@@ -32,7 +32,7 @@ from jaxattn.decode import cache_format
 from jaxattn.dispatch import run_first
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.positional import RelativeBias
-from jaxattn.rope import RoPE, apply_rope
+from jaxattn.rope import RoPE, apply_rope, token_rotations
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_prefill import (
     Batch,
@@ -177,15 +177,21 @@ def paged_attention(
     streaming.check_rope_on_read(rope, rope_on_read)
     read_rope = rope if rope_on_read else None
     out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
-    if rope is not None and not rope_on_read:
-        q = apply_rope(q, meta.positions, rope)
+    # Ordinary RoPE: k before the write (fused into it); q rotated in XLA, or on load by the
+    # decode kernel when it runs alone (a decode-only plan).
+    rotate = rope is not None and not rope_on_read
+    if rotate:
         k = apply_rope(k, meta.positions, rope)
     new_cache, k_new, v_new = write_kv_stored(cache, k, v, meta.slot_mapping, q.dtype)
+    q_rotated = apply_rope(q, meta.positions, rope) if rotate else q
+    q_on_load = None  # (jaxattn.rope.TokenRotations)
+    if rotate and meta.decode_only and relative_bias is None:
+        q_on_load = token_rotations(meta.positions, rope, q.shape[-1])
 
     def run(impl):
         if impl == "xla":
             out, lse = reference.paged_attention_reference(
-                q,
+                q_rotated,
                 k_new,
                 v_new,
                 cache,
@@ -205,7 +211,7 @@ def paged_attention(
             # A cyclic chunk may overwrite prefix slots its own first queries still read.
             prefix_cache = cache if meta.ring is not None else new_cache
             out, lse = _pallas(
-                q,
+                q_rotated if q_on_load is None else q,
                 k_new,
                 v_new,
                 prefix_cache,
@@ -218,6 +224,7 @@ def paged_attention(
                 out_dtype,
                 out_scale,
                 read_rope=read_rope,
+                q_rotations=q_on_load,
             )
         return (out, lse) if return_lse else out
 
@@ -263,10 +270,13 @@ def _pallas(
     out_dtype,
     out_scale,
     read_rope=None,
+    q_rotations=None,
 ):
     """Decode kernel for one-token rows, flash kernel (prefix from pages) for the others.
     With T5 relative bias (which the decode kernel lacks) every row takes the flash kernel.
-    An FP8 output is quantized by each kernel's epilogue; the merge below only selects."""
+    An FP8 output is quantized by each kernel's epilogue; the merge below only selects.
+    `q_rotations` (`jaxattn.rope.TokenRotations`, decode-only plans): q comes un-rotated,
+    and the decode kernel rotates it on load."""
     fp8 = out_dtype == validation.FP8_OUT
     if fp8:
         validation.check_fp8_kernel_output()
@@ -380,7 +390,8 @@ def _pallas(
         # themselves, q read and the output written in place (no row gathers around the
         # kernel). Padding tokens get length 0: zeros and lse -inf from the kernel.
         lens = jnp.where(real & decode_rows[rows], meta.context_lens[rows], 0)
-        out, lse = decode(q, block_tables=meta.block_tables[rows], context_lens=lens, rope=rope)
+        out, lse = decode(q, block_tables=meta.block_tables[rows], context_lens=lens, rope=rope,
+                          q_rope=q_rotations)  # fmt: skip
         return out, lse.T
     # Context rows: the flash kernel; generation rows: each row's one token, over the
     # cache after the write.

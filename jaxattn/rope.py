@@ -31,8 +31,10 @@ __all__ = [
     "LinearScaling",
     "Llama3Scaling",
     "RoPE",
+    "TokenRotations",
     "YarnScaling",
     "apply_rope",
+    "token_rotations",
 ]
 
 STYLES = ("neox", "gptj")
@@ -324,6 +326,38 @@ def _check_inputs(x, positions) -> None:
     )
 
 
+class TokenRotations(NamedTuple):
+    """RoPE of given tokens as `out = x * cos + x[partner] * sin` (float32), for a kernel
+    that rotates its queries on load: `cos`, `sin` float32 `[T, D]` (attention factor and
+    partner sign folded in; 1 and 0 on pass-through channels), `partner` int32 `[D]`."""
+
+    cos: Float[Array, "T D"]
+    sin: Float[Array, "T D"]
+    partner: Int[Array, " D"]
+
+
+def token_rotations(
+    positions: Int[Array, " T"], rope: RoPE, head_dim: int, *, seq_len=None
+) -> TokenRotations:
+    """`TokenRotations` of tokens at `positions`, the angles and factors of `apply_rope`
+    (its `seq_len` default too)."""
+    tables = rope.channel_tables(head_dim)
+    angle = _angles(jnp.asarray(positions), rope, head_dim, tables, seq_len)  # [T, D]
+    factor = rope.attention_factor
+    cos = jnp.where(tables.rotates, jnp.cos(angle) * factor, 1.0)
+    sin = jnp.where(tables.rotates, tables.sign * (jnp.sin(angle) * factor), 0.0)
+    return TokenRotations(cos, sin, jnp.asarray(tables.partner))
+
+
+def _angles(positions, rope: RoPE, head_dim: int, tables: ChannelTables, seq_len):
+    """float32 `pos * f[freq_index[c]]`, `positions.shape + [D]` (as HF's cos/sin tables:
+    off by ~2 ulps of pos * f, 1e-2 at 1e5)."""
+    if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
+        seq_len = jnp.max(positions) + 1
+    freq = rope.inv_freq(head_dim, seq_len)[tables.freq_index]  # [D]
+    return positions[..., None].astype(jnp.float32) * freq
+
+
 def apply_rope(
     x: Float[Array, "*B T H D"],
     positions: Int[Array, "*#B #T"],
@@ -349,11 +383,7 @@ def apply_rope(
     _check_inputs(x, positions)
     head_dim = x.shape[-1]
     tables = rope.channel_tables(head_dim)
-    if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
-        seq_len = jnp.max(positions) + 1
-    freq = rope.inv_freq(head_dim, seq_len)[tables.freq_index]  # [D]
-    # float32 angles, as HF's cos/sin tables: off by ~2 ulps of pos * f (1e-2 at 1e5).
-    angle = positions[..., None, None].astype(jnp.float32) * freq  # [..., T, 1, D]
+    angle = _angles(positions, rope, head_dim, tables, seq_len)[..., None, :]  # [..., T, 1, D]
     cos = jnp.cos(angle) * rope.attention_factor
     sin = jnp.sin(angle) * rope.attention_factor
     xf = x.astype(jnp.float32)

@@ -160,3 +160,19 @@ def decode_scores(q_rot, k, tables, t, pos, precision, *, window, sink_tokens, p
         rotated_dot(qp, kp, *table_rows(tables, key_pos, cols, col_ok), precision)
         for qp, kp, cols in zip(q_rot, k, part_cols, strict=True)
     )
+
+
+def rotated_query_rows(q_ref, refs, b, heads, row_ok, cols, col_ok):
+    """Ordinary RoPE on load (not on read: the cache holds rotated keys): rows `heads` of
+    token b's query at columns `cols` `[1, Pd]`, `q * cos + q[partner] * sin` in float32
+    then q's dtype, the arithmetic of `jaxattn.apply_rope`. refs: cos, sin float32
+    `[B, D]` (the token's rotation, sign folded in) and partner int32 `[D]`
+    (`jaxattn.rope.token_rotations`)."""
+    cos_ref, sin_ref, partner_ref = refs
+    ok = row_ok[:, None] & col_ok
+    partner = plgpu.load(partner_ref.at[cols], mask=col_ok, other=0)  # [1, Pd]
+    q, q2 = (
+        plgpu.load(q_ref.at[b, heads[:, None], c], mask=ok, other=0.0) for c in (cols, partner)
+    )
+    cos, sin = (plgpu.load(r.at[b, cols], mask=col_ok, other=0.0) for r in (cos_ref, sin_ref))
+    return (q.astype(jnp.float32) * cos + q2.astype(jnp.float32) * sin).astype(q.dtype)

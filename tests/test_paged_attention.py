@@ -393,7 +393,27 @@ GENERATION = (Row(9, 1), Row(4, 1), Row(0, 1), Row(3, 1), Row(5, 0), Row(0, 0), 
     [
         Opts("gqa", hkv=2, return_lse=True),
         Opts("window_sinks_alibi", window=4, sink_tokens=1, alibi=True, poison="huge"),
-        # Split-K: the query's own key (written by the kernel) is taken by split 0 alone.
+        # The decode kernel rotates q on load in these plans: partner channels, sign and
+        # pass-through channels of both styles, the scalings' frequencies and YaRN's factor.
+        Opts(
+            "gptj_partial_yarn",
+            hkv=2,
+            return_lse=True,
+            rope=jaxattn.RoPE(
+                theta=100.0,
+                style="gptj",
+                rotary_dim=D // 2,
+                scaling=jaxattn.YarnScaling(factor=4.0, original_max_position_embeddings=8),
+            ),
+        ),
+        Opts(
+            "mqa_llama3",
+            hkv=1,
+            rope=jaxattn.RoPE(
+                theta=100.0,
+                scaling=jaxattn.Llama3Scaling(factor=4.0, original_max_position_embeddings=16),
+            ),
+        ),
         Opts(
             "splits_softcap_rope",
             hkv=1,

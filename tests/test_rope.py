@@ -25,6 +25,7 @@ from jaxattn.rope import (
     RoPE,
     YarnScaling,
     apply_rope,
+    token_rotations,
 )
 
 # --------------------------------------------- oracle: inverse frequencies (HF, float64)
@@ -274,6 +275,26 @@ def test_apply_rope_vs_hf_oracle(scaling, style, head_dim, rotary_dim):
         assert_rope_close(got, want, angles, x, factor, dtype)
         # Pass-through channels are copied bit for bit.
         np.testing.assert_array_equal(got[..., dim:], x[..., dim:])
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_token_rotations_vs_hf_oracle(scaling, style):
+    """The decode kernel's form `x * cos + x[partner] * sin` (tables per token) against
+    the same oracle, tight in float32 (the angles are `apply_rope`'s); pass-through
+    channels come out exactly."""
+    head_dim, dim = 80, 48
+    rope = _rope(scaling, style, dim)
+    rng = util.rng_for("token_rotations", scaling, style)
+    positions = _positions(rng, (16,))
+    inv_freq, factor = oracle_parameters(rope, dim, seq_len=int(positions.max()) + 1)
+    x = util.randn(rng, (16, 3, head_dim), "float32")
+    cos, sin, partner = token_rotations(positions, rope, head_dim)
+    assert cos.shape == sin.shape == (16, head_dim) and partner.shape == (head_dim,)
+    got = x * cos[:, None] + x[..., partner] * sin[:, None]
+    want, angles = rope_oracle(util.f64(x), positions, inv_freq, factor, style, dim)
+    assert_rope_close(got, want, angles, x, factor, "float32")
+    np.testing.assert_array_equal(got[..., dim:], x[..., dim:])
 
 
 @pytest.mark.parametrize("dim", [64, 128, 80, 32])

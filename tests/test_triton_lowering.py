@@ -202,14 +202,14 @@ def _meta_spec(num_tokens, num_seqs, max_pages, ring=None, decode_only=False):
      dict(alibi_slopes=_spec((32,), jnp.float32), soft_cap=30.0, return_lse=True),
      dict(window=100, sink_tokens=4, ring=(16, 112), rope_on_read=True,
           rope=jaxattn.RoPE(theta=500000.0, rotary_dim=64, scaling=jaxattn.Llama3Scaling(8.0))),
-     dict(decode_only=True, soft_cap=30.0, return_lse=True)],
+     dict(decode_only=True, soft_cap=30.0, return_lse=True,
+          rope=jaxattn.RoPE(theta=500000.0, style="gptj", rotary_dim=64))],
     ids=["plain", "window_ring", "t5", "alibi_softcap_lse", "rope_on_read_ring", "decode_only"],
 )  # fmt: skip
 def test_paged_attention_lowers_to_triton(quant, options):
     """Both kernels of a serving step: the flash kernel reading a paged (quantized,
     possibly cyclic) prefix, and the decode kernel; with rope_on_read, both rotate on
-    read (StreamingLLM). A decode-only plan over a float cache: the decode kernel alone,
-    writing the new K/V itself."""
+    read (StreamingLLM). A decode-only plan: the decode kernel alone, rotating q on load."""
     options = dict(options)
     ring = options.pop("ring", None)
     decode_only = options.pop("decode_only", False)

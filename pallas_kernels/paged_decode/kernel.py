@@ -68,6 +68,7 @@ def _paged_decode_kernel(
     has_alibi: bool,
     has_indirection: bool,
     has_rope: bool,
+    has_q_rope: bool,
     split_out: bool,
     quantize: bool,
     group: int,
@@ -85,6 +86,8 @@ def _paged_decode_kernel(
     ind_ref = refs.pop(0) if has_indirection else None  # [B // W, W, L] int32
     # RoPE on read: q' [B, Hq, D] (rope_read), cos and sin tables float32 [R, D].
     rope_refs = [refs.pop(0) for _ in range(3)] if has_rope else None
+    # Ordinary RoPE of q on load: cos, sin float32 [B, D], partner int32 [D].
+    q_rope_refs = [refs.pop(0) for _ in range(3)] if has_q_rope else None
     inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
     o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
 
@@ -103,6 +106,10 @@ def _paged_decode_kernel(
             q_ref.at[b, heads[:, None], p * part_dim + dims[None, :]],
             mask=row_ok[:, None] & dim_ok,
             other=0.0,
+        )
+        if not has_q_rope
+        else rope_read.rotated_query_rows(
+            q_ref, q_rope_refs, b, heads, row_ok, p * part_dim + dims[None, :], dim_ok
         )
         for p in range(fmt.parts)
     )
@@ -209,6 +216,7 @@ def paged_decode(
     alibi_slopes=None,
     cache_indirection=None,
     rope: rope_read.RopeTables | None = None,
+    q_rope=None,
     params: DecodeParams,
     config: PagedDecodeConfig,
     fmt: CacheFormat = PLAIN,
@@ -229,6 +237,9 @@ def paged_decode(
       rope: None, or `RopeTables` (q_partner `[B, Hq, D]`): the cache holds un-rotated keys
         and q comes un-rotated; both are rotated in-kernel at their positions within the
         cache (StreamingLLM, `pallas_kernels.rope_read`; `params.window`, `sink_tokens`).
+      q_rope: None, or `(cos, sin, partner)` (`jaxattn.rope.token_rotations`: float32
+        `[B, D]` twice, int32 `[D]`): q comes un-rotated and the kernel applies ordinary
+        RoPE to it on load (the cache holds rotated keys). Not with `rope`.
       out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
         stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
 
@@ -256,6 +267,13 @@ def paged_decode(
         inputs.append(cache_indirection.astype(jnp.int32))
     if rope is not None:
         inputs += [rope.q_partner.astype(q.dtype), rope.cos, rope.sin]
+    if q_rope is not None:
+        if rope is not None:
+            raise ValueError(
+                "paged_decode: q_rope (ordinary RoPE) and rope (on read) exclude each other"
+            )
+        cos, sin, partner = q_rope
+        inputs += [cos.astype(jnp.float32), sin.astype(jnp.float32), partner.astype(jnp.int32)]
     if quantize:
         inputs.append(inverse_scale(out_scale))
     if splits == 1:
@@ -275,6 +293,7 @@ def paged_decode(
         has_alibi=alibi_slopes is not None,
         has_indirection=cache_indirection is not None,
         has_rope=rope is not None,
+        has_q_rope=q_rope is not None,
         split_out=splits > 1,
         quantize=quantize,
         group=group,
