@@ -530,6 +530,44 @@ def test_quantized_cache(quant, dtype, impl):
     run_two_calls(MIXED, Opts("quant", hkv=2), impl, dtype, quant=quant)
 
 
+@dtypes
+def test_quantized_decode_only_rotates_q_on_load(dtype):
+    """INT4 splits channels in two parts, and a neox partner lies in the other half: the
+    kernel reads it from q itself, so each part rotates whole. The kernel (q rotated on
+    load) against the reference (q rotated by apply_rope) on the same INT4 cache, pages
+    scattered, an idle row and padding tokens; the written caches bit for bit."""
+    rng = util.rng_for("int4_rope_on_load", dtype)
+    hkv, num_pages = 2, 12
+    quant = jaxattn.KVQuant("int4", "group", 16)
+    cache = jaxattn.PagedKVCache.create(num_pages, P, hkv, D, quant=quant)
+    history = util.randn(rng, (num_pages * P, hkv, D), dtype)
+    cache = jaxattn.write_kv(cache, history, history[::-1], jnp.arange(num_pages * P))
+    pages = rng.permutation(num_pages).reshape(3, 4).tolist()
+    meta = jaxattn.AttentionMetadata.from_lists(  # row 2 idle; lengths after the step
+        [1, 1, 0, 1], [9, 16, 5, 3], [pages[0], pages[1], [], pages[2]],
+        P, max_tokens=5, max_seqs=5, max_pages=4, decode_only=True,
+    )  # fmt: skip
+    q = util.randn(rng, (5, HQ, D), dtype)
+    k, v = (util.randn(rng, (5, hkv, D), dtype) for _ in range(2))
+    rope = jaxattn.RoPE(theta=100.0, scaling=jaxattn.YarnScaling(4.0, 8))
+    run = {
+        impl: jax.jit(functools.partial(jaxattn.paged_attention, rope=rope, return_lse=True,
+                                        implementation=impl))(q, k, v, cache, meta)
+        for impl in ("xla", "pallas")
+    }  # fmt: skip
+    (want, want_lse), want_cache = run["xla"]
+    (got, got_lse), got_cache = run["pallas"]
+    real = np.arange(5) < 3
+    np.testing.assert_allclose(util.f64(got)[real], util.f64(want)[real], **SAME_TOL[dtype])
+    np.testing.assert_allclose(np.asarray(got_lse)[:, real], np.asarray(want_lse)[:, real],
+                               **SAME_TOL[dtype])  # fmt: skip
+    util.assert_zero_rows(got, ~real[:, None, None], "padding tokens")
+    for name in ("k_pages", "v_pages", "k_scales", "v_scales"):
+        np.testing.assert_array_equal(
+            bits(getattr(got_cache, name)), bits(getattr(want_cache, name))
+        )
+
+
 # --------------------------------------------------------------- paged_attention_qkv
 @impls
 @dtypes
