@@ -34,6 +34,7 @@ __all__ = [
     "TokenRotations",
     "YarnScaling",
     "apply_rope",
+    "rotation_tables",
     "token_rotations",
 ]
 
@@ -326,6 +327,24 @@ def _check_inputs(x, positions) -> None:
     )
 
 
+def rotation_tables(
+    positions: Int[Array, "*N"], rope: RoPE, head_dim: int, *, seq_len=None
+) -> tuple[Float[Array, "*N D"], Float[Array, "*N D"]]:
+    """float32 `(cos, sin)` of each channel's angle at `positions`, attention factor folded
+    in; 1 and 0 on pass-through channels. The angles are float32 `pos * f`, as HF's cos/sin
+    tables (off by ~2 ulps of pos * f: 1e-2 at 1e5). `seq_len`: DynamicNTKScaling's current
+    length, default `max(positions) + 1`."""
+    tables = rope.channel_tables(head_dim)
+    if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
+        seq_len = jnp.max(positions) + 1
+    freq = rope.inv_freq(head_dim, seq_len)[tables.freq_index]  # [D]
+    angle = positions[..., None].astype(jnp.float32) * freq
+    factor = rope.attention_factor
+    cos = jnp.where(tables.rotates, jnp.cos(angle) * factor, 1.0)
+    sin = jnp.where(tables.rotates, jnp.sin(angle) * factor, 0.0)
+    return cos.astype(jnp.float32), sin.astype(jnp.float32)
+
+
 class TokenRotations(NamedTuple):
     """RoPE of given tokens as `out = x * cos + x[partner] * sin` (float32), for a kernel
     that rotates its queries on load: `cos`, `sin` float32 `[T, D]` (attention factor and
@@ -342,20 +361,8 @@ def token_rotations(
     """`TokenRotations` of tokens at `positions`, the angles and factors of `apply_rope`
     (its `seq_len` default too)."""
     tables = rope.channel_tables(head_dim)
-    angle = _angles(jnp.asarray(positions), rope, head_dim, tables, seq_len)  # [T, D]
-    factor = rope.attention_factor
-    cos = jnp.where(tables.rotates, jnp.cos(angle) * factor, 1.0)
-    sin = jnp.where(tables.rotates, tables.sign * (jnp.sin(angle) * factor), 0.0)
-    return TokenRotations(cos, sin, jnp.asarray(tables.partner))
-
-
-def _angles(positions, rope: RoPE, head_dim: int, tables: ChannelTables, seq_len):
-    """float32 `pos * f[freq_index[c]]`, `positions.shape + [D]` (as HF's cos/sin tables:
-    off by ~2 ulps of pos * f, 1e-2 at 1e5)."""
-    if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
-        seq_len = jnp.max(positions) + 1
-    freq = rope.inv_freq(head_dim, seq_len)[tables.freq_index]  # [D]
-    return positions[..., None].astype(jnp.float32) * freq
+    cos, sin = rotation_tables(jnp.asarray(positions), rope, head_dim, seq_len=seq_len)
+    return TokenRotations(cos, tables.sign * sin, jnp.asarray(tables.partner))
 
 
 def apply_rope(
@@ -383,9 +390,8 @@ def apply_rope(
     _check_inputs(x, positions)
     head_dim = x.shape[-1]
     tables = rope.channel_tables(head_dim)
-    angle = _angles(positions, rope, head_dim, tables, seq_len)[..., None, :]  # [..., T, 1, D]
-    cos = jnp.cos(angle) * rope.attention_factor
-    sin = jnp.sin(angle) * rope.attention_factor
+    cos, sin = rotation_tables(positions, rope, head_dim, seq_len=seq_len)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # [..., T, 1, D]
     xf = x.astype(jnp.float32)
     partner = jnp.take(xf, tables.partner, axis=-1)  # [..., T, H, D]
     rotated = xf * cos + tables.sign * partner * sin

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxattn.rope import DynamicNTKScaling, RoPE
+from jaxattn.rope import DynamicNTKScaling, RoPE, rotation_tables
 from pallas_kernels.rope_read import RopeTables, evicted
 
 __all__ = ["cache_positions", "check_rope_on_read", "evicted", "rope_tables"]
@@ -51,11 +51,7 @@ def rope_tables(rope: RoPE, q: Float[Array, "T Hq D"], rows: int) -> RopeTables:
     pass-through channels), and q's partner form `sign[partner(c)] * q[partner(c)]`."""
     head_dim = q.shape[-1]
     tables = rope.channel_tables(head_dim)
-    freq = rope.inv_freq(head_dim)[tables.freq_index]  # [D]
-    angle = jnp.arange(rows, dtype=jnp.float32)[:, None] * freq[None, :]
-    factor = rope.attention_factor
-    cos = jnp.where(tables.rotates, jnp.cos(angle) * factor, 1.0)
-    sin = jnp.where(tables.rotates, jnp.sin(angle) * factor, 0.0)
+    cos, sin = rotation_tables(jnp.arange(rows), rope, head_dim)
     partner_sign = jnp.asarray(tables.sign[tables.partner], q.dtype)
     q_partner = jnp.take(q, tables.partner, axis=-1) * partner_sign
-    return RopeTables(cos.astype(jnp.float32), sin.astype(jnp.float32), q_partner)
+    return RopeTables(cos, sin, q_partner)
