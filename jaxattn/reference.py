@@ -418,24 +418,21 @@ def paged_attention_reference(
         q_pos[:, None], k_pos, causal=True, window=window, sink_tokens=sink_tokens
     )
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    if read_rope is None:
-        qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-        s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
-        s_n = jnp.einsum("thgd,uhd->thgu", qg, f32(k_new.astype(q.dtype)), precision=_HIGHEST)
-    else:  # Every query rotates its own copy of the keys: O(T * (K + T) * D) memory.
+    k_n, new_keys = k_new.astype(q.dtype), "uhd"  # [T, Hkv, D], shared by every query
+    if read_rope is not None:  # Every query rotates its own copy of the keys.
 
         def in_cache(k_pos):
             pos = cache_positions(q_pos, k_pos, window, sink_tokens)
             return pos[0], jnp.maximum(pos[1], 0)  # (keys that are not there: any angle)
 
         q_in, kc_in = in_cache(pos_c)
-        k_n = jnp.broadcast_to(k_new.astype(q.dtype), (num_tokens, *k_new.shape))
+        k_n = jnp.broadcast_to(k_n, (num_tokens, *k_n.shape))
         k_c = apply_rope(k_c, kc_in, read_rope)  # [T, K, Hkv, D]
-        k_n = apply_rope(k_n, in_cache(pos_n)[1], read_rope)  # [T, T, Hkv, D]
-        q_r = apply_rope(q[:, None], q_in[:, None], read_rope)[:, 0]
-        qg = q_r.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-        s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
-        s_n = jnp.einsum("thgd,tuhd->thgu", qg, f32(k_n), precision=_HIGHEST)
+        k_n, new_keys = apply_rope(k_n, in_cache(pos_n)[1], read_rope), "tuhd"  # [T, T, Hkv, D]
+        q = apply_rope(q[:, None], q_in[:, None], read_rope)[:, 0]
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    s_c = jnp.einsum("thgd,tkhd->thgk", qg, f32(k_c), precision=_HIGHEST)
+    s_n = jnp.einsum(f"thgd,{new_keys}->thgu", qg, f32(k_n), precision=_HIGHEST)
     s = jnp.concatenate([s_c, s_n], axis=-1).reshape(num_tokens, num_q_heads, 1, -1)
     s = s * (head_dim**-0.5 if scale is None else scale)
     rel = (k_pos - q_pos[:, None])[:, None, None, :]  # [T, 1, 1, K + T]
