@@ -210,13 +210,14 @@ def _pallas(
     fp8 = out_dtype == validation.FP8_OUT
     if fp8:
         validation.check_fp8_kernel_output()
+    fmt = cache_format(cache)
     if config is None:
         config = PagedDecodeConfig.heuristic(
             q.shape[0],
             cache.num_kv_heads,
             block_tables.shape[1] * cache.page_size,
             cache.page_size,
-            code=cache_format(cache).dtype,
+            code=fmt.dtype,
         )
     params = DecodeParams(
         window=None if window is None else int(window),
@@ -224,7 +225,6 @@ def _pallas(
         soft_cap=None if soft_cap is None else float(soft_cap),
         scale=scale,
     )
-    fmt = cache_format(cache)
     return _paged_decode_kernel(
         q,
         cache.k_pages,

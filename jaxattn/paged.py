@@ -183,15 +183,16 @@ def paged_attention(
     if rotate:
         k = apply_rope(k, meta.positions, rope)
     new_cache, k_new, v_new = write_kv_stored(cache, k, v, meta.slot_mapping, q.dtype)
-    q_rotated = apply_rope(q, meta.positions, rope) if rotate else q
-    q_on_load = None  # (jaxattn.rope.TokenRotations)
-    if rotate and meta.decode_only and relative_bias is None:
-        q_on_load = token_rotations(meta.positions, rope, q.shape[-1])
+    rotate_on_load = rotate and meta.decode_only and relative_bias is None
 
     def run(impl):
+        rotations = None
+        if impl == "pallas" and rotate_on_load:
+            rotations = token_rotations(meta.positions, rope, q.shape[-1])
+        q_in = apply_rope(q, meta.positions, rope) if rotate and rotations is None else q
         if impl == "xla":
             out, lse = reference.paged_attention_reference(
-                q_rotated,
+                q_in,
                 k_new,
                 v_new,
                 cache,
@@ -211,7 +212,7 @@ def paged_attention(
             # A cyclic chunk may overwrite prefix slots its own first queries still read.
             prefix_cache = cache if meta.ring is not None else new_cache
             out, lse = _pallas(
-                q_rotated if q_on_load is None else q,
+                q_in,
                 k_new,
                 v_new,
                 prefix_cache,
@@ -224,7 +225,7 @@ def paged_attention(
                 out_dtype,
                 out_scale,
                 read_rope=read_rope,
-                q_rotations=q_on_load,
+                q_rotations=rotations,
             )
         return (out, lse) if return_lse else out
 
@@ -358,7 +359,7 @@ def _pallas(
         cache.num_kv_heads,
         meta.max_pages * cache.page_size,
         cache.page_size,
-        code=cache_format(cache).dtype,
+        code=fmt.dtype,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined

@@ -101,18 +101,13 @@ def _paged_decode_kernel(
     row_ok = g < group
     heads = kvh * group + g  # [rows] query heads of this kv group
 
-    q = tuple(  # parts of [rows, Pd]
-        plgpu.load(
-            q_ref.at[b, heads[:, None], p * part_dim + dims[None, :]],
-            mask=row_ok[:, None] & dim_ok,
-            other=0.0,
-        )
-        if not has_q_rope
-        else rope_read.rotated_query_rows(
-            q_ref, q_rope_refs, b, heads, row_ok, p * part_dim + dims[None, :], dim_ok
-        )
-        for p in range(fmt.parts)
-    )
+    def query_part(cols):  # [rows, Pd]: this group's query heads at columns `cols` [1, Pd]
+        if has_q_rope:
+            return rope_read.rotated_query_rows(q_ref, q_rope_refs, b, heads, row_ok, cols, dim_ok)
+        return plgpu.load(q_ref.at[b, heads[:, None], cols], mask=row_ok[:, None] & dim_ok,
+                          other=0.0)  # fmt: skip
+
+    q = tuple(query_part(p * part_dim + dims[None, :]) for p in range(fmt.parts))
     ctx = ctx_ref[b]
     pos = ctx - 1  # the query's position
     slopes = None
