@@ -43,8 +43,8 @@ _HIGH_BYTES = ("0x1404", "0x3424")
 
 def _program(constants: dict[str, str], steps: str, selectors, prelude: str = "") -> str:
     """One asm block: registers t, x, s, y, z (= 0) and `constants`, `prelude`, then
-    `steps` once per output register, with `{out}` and `{sel}` (its byte permute) filled
-    in; `$2` is the input register (four codes)."""
+    `steps` once per output register, with `{out}` and `{sel}` (its byte permute, or a
+    tuple of them) filled in; `$2` is the input register (four codes)."""
     lines = [f".reg .b32 t, x, s, y, z, {', '.join(constants)};", "mov.b32 z, 0;"]
     lines += [f"mov.b32 {name}, {value};" for name, value in constants.items()]
     lines += [prelude] if prelude else []
@@ -83,19 +83,18 @@ fma.rn.bf16x2 {{out}}, x, one, bias;
 
 # INT8: the code's byte with its sign bit flipped (c + 128, unsigned) under the bytes
 # 0x4B 00 00 is the float32 2**23 + c + 128; minus 2**23 + 128 it is c, exactly; two such
-# float32 become one bf16x2 register (exact: |c| <= 128).
-_INT8 = (
-    "{\n.reg .b32 x, t, s, high;\nmov.b32 high, 0x4B000000;\nxor.b32 x, $2, 0x80808080;\n"
-    + "".join(
-        f"""prmt.b32 t, x, high, 0x754{2 * i};
-prmt.b32 s, x, high, 0x754{2 * i + 1};
+# float32 become one bf16x2 register (exact: |c| <= 128). Byte permutes: code k of x under
+# the bytes of `high`.
+_INT8 = _program(
+    dict(high="0x4B000000"),
+    """prmt.b32 t, x, high, {sel[0]};
+prmt.b32 s, x, high, {sel[1]};
 sub.f32 t, t, 0f4B000080;
 sub.f32 s, s, 0f4B000080;
-cvt.rn.bf16x2.f32 ${i}, s, t;
-"""
-        for i in range(2)
-    )
-    + "}"
+cvt.rn.bf16x2.f32 {out}, s, t;
+""",
+    (("0x7540", "0x7541"), ("0x7542", "0x7543")),
+    prelude="xor.b32 x, $2, 0x80808080;",
 )
 
 
