@@ -58,15 +58,16 @@ class FlashPrefillConfig:
         `q_len`/`kv_len` are per-sequence token counts (the maximum); `lengths`: q/kv
         lengths are data; `packed`: a packed (cu_seqlens) batch; `logit_tiles`: a bias,
         mask or T5 table is read per key block. Measured on an H100 (bench/RESULTS.md,
-        2026-11-22), bf16 D128 GQA 32/8: 128x128 tiles run 4-20% faster than 128x64 with
-        static lengths but 15-25% slower with lengths as data; three pipeline stages beat
-        two and four; packed mixed-length batches run 10% faster on 64x32 tiles (less
-        waste in partial tiles). Bias/mask/T5 tiles are pipelined too: at 128x128x3 they
+        2026-11-22), bf16 D128 GQA 32/8: 128x128 tiles run 4-20% faster than 128x64, with
+        lengths as data too since the kernel runs its masked blocks first (the chunk's
+        work with lengths: 463 vs 435 TFLOP/s; 344 on 128x128 before); three pipeline
+        stages beat two and four; packed mixed-length batches run 10% faster on 64x32
+        tiles than on 128x64 (less waste in partial tiles; 64x64 was level within noise
+        in the session-6 sweep). Bias/mask/T5 tiles are pipelined too: at 128x128x3 they
         need up to 352 KiB of shared memory (the H100 has 227), at 128x64x2 they fit.
         `paged`: keys come from a paged cache (chunked context); a 2048-token chunk over a
-        14k prefix runs at 277 TFLOP/s on 128x64x8x3 (bench/RESULTS.md, 11:15 UTC). In a
-        sweep that was not written to RESULTS.md, 128x128x8x3 ran level (275) and the
-        packed choice 64x32x4x3 at 222.
+        14k prefix runs at 348 TFLOP/s on 128x64x8x3, against 284 on 128x128x8x3 and
+        279 on 64x32x4x3 (session-6 sweep, bench/RESULTS.md).
         """
         del kv_len, causal  # Same tiling for both on the measured rows.
         padded_dim = next_power_of_2(head_dim)
@@ -79,7 +80,7 @@ class FlashPrefillConfig:
         elif padded_dim >= 128 and packed:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 3
         elif padded_dim >= 128:
-            block_q, block_kv, num_warps, num_stages = 128, 64 if lengths else 128, 8, 3
+            block_q, block_kv, num_warps, num_stages = 128, 128, 8, 3
         else:
             block_q, block_kv, num_warps, num_stages = 128, 64, 4, 3
         block_q = min(block_q, max(16, next_power_of_2(q_len)))
