@@ -6,7 +6,8 @@ streaming that sequence's keys in `[block_kv, D]` blocks with an online softmax 
 are passed as packed `[T, H, D]` views plus a table saying where each sequence's rows are.
 
 Work skipping: a tile visits only the key blocks some of its rows can see (causal, window,
-lengths, plus sink blocks); blocks every row sees in full run without the mask arithmetic.
+lengths, plus sink blocks); blocks every row sees in full run without the mask arithmetic,
+after the masked ones (the online softmax takes blocks in any order).
 Tiles are launched heaviest first so the long causal tiles do not form the tail. A packed
 batch's tile count is a static bound (a tile per `block_q` rows, plus one per sequence for
 its ragged end): there a program loops over the tiles `first + i * programs` with rows,
@@ -213,17 +214,19 @@ def _flash_prefill_kernel(
         rows = r0 + jnp.arange(block_q)  # [block_q] row index within the sequence
         row_store = rows < q_rows
         q_pos = kv_len - q_len + rows  # [block_q] absolute positions (bottom-right aligned)
-
+        # The query rows load under the array's bounds only: rows past the sequence's
+        # belong to the next one and their results are never stored. Under `row_store`
+        # the load and the output store would share one mask, kept live across the key
+        # loops: packed tiles ran 25% slower so (H100, 2026-11-22 session-6 probe).
+        q_ok = ((q_start + rows) < q_ref.shape[0])[:, None] & dim_ok
         q = plgpu.load(  # [block_q, Dp]
-            q_ref.at[pl.ds(q_start + r0, block_q), h, dims],
-            mask=row_store[:, None] & dim_ok,
-            other=0.0,
+            q_ref.at[pl.ds(q_start + r0, block_q), h, dims], mask=q_ok, other=0.0
         )
         # Triton's default for float32 dots is TF32; float32 inputs ask for float32 products.
         precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
         if has_rope:  # StreamingLLM: q rotated per tile, keys on load (rope_read)
             q2 = plgpu.load(rope_refs[0].at[pl.ds(q_start + r0, block_q), h, dims],
-                            mask=row_store[:, None] & dim_ok, other=0.0)  # fmt: skip
+                            mask=q_ok, other=0.0)  # fmt: skip
             rope_cols = (
                 jnp.arange(padded_dim)[None, :],
                 None if padded_dim == head_dim else dim_ok,
@@ -309,9 +312,12 @@ def _flash_prefill_kernel(
                 sink_b = jnp.minimum(sink_b, lo_b)
             carry = run(0, sink_b, True, carry)
         q_window = q._replace(sink=None) if has_rope else q
+        # The masked edges first: what their masks need (positions, lengths) is then dead
+        # during the long unmasked run. Ending on the causal diagonal kept it live, and
+        # with lengths as data 128x128 tiles ran 27% slower (H100, session-6 probe).
         carry = run(lo_b, full_lo_b, True, carry, q_window)
-        carry = run(full_lo_b, full_hi_b, False, carry, q_window)
         carry = run(full_hi_b, hi_b, True, carry, q_window)
+        carry = run(full_lo_b, full_hi_b, False, carry, q_window)
         out, lse = softmax_finish(carry, row_ok=rows < q_len)
         plgpu.store(
             o_ref.at[pl.ds(q_start + r0, block_q), h, dims],
