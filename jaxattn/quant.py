@@ -216,6 +216,21 @@ def _check_scale(scale, quant: KVQuant, head_dim: int) -> None:
 
 
 # ---------------------------------------------------------------- quantize / dequantize
+def _round_e4m3fn(y: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """float32 `y` (|y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even,
+    still float32; the cast to fp8 is then exact.
+
+    The convert alone would round the same way, but XLA on GPU drops a float32 -> fp8 ->
+    float32 convert pair inside one jitted program (excess precision, on by default), so
+    `dequantize(quantize(x))` there would return x unrounded. Normals keep 3 mantissa bits
+    (e5m3's rounding is e4m3fn's on its normal range, 2**-6..448); below 2**-6 the values
+    are multiples of 2**-9 (e4m3fn's subnormals).
+    """
+    normal = jax.lax.reduce_precision(y, exponent_bits=5, mantissa_bits=3)
+    subnormal = jnp.round(y * 512.0) * (1.0 / 512.0)
+    return jnp.where(jnp.abs(y) < 2.0**-6, subnormal, normal)
+
+
 def quantize(
     x: Float[Array, "... D"], scale: Float[Array, "*shape"], quant: KVQuant
 ) -> Shaped[Array, "... Dp"]:
@@ -232,7 +247,7 @@ def quantize(
     else:
         y = x / _per_channel(scale, x.shape[-1])
     if quant.dtype == "float8_e4m3fn":
-        return jnp.clip(y, -quant.qmax, quant.qmax).astype(jnp.float8_e4m3fn)
+        return _round_e4m3fn(jnp.clip(y, -quant.qmax, quant.qmax)).astype(jnp.float8_e4m3fn)
     q = jnp.clip(jnp.round(y), -quant.qmax, quant.qmax).astype(jnp.int8)
     return pack_int4(q) if quant.dtype == "int4" else q
 
