@@ -23,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.codes import codes_to_bf16
+from pallas_kernels.codes import codes_to_bf16, int4_nibbles
 from pallas_kernels.common import next_power_of_2
 
 
@@ -65,11 +65,7 @@ def _decode(raw, fmt: CacheFormat, dtype, asm: bool) -> list:
     """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part."""
     if fmt.dtype is not None and dtype == jnp.bfloat16:
         return codes_to_bf16(raw, fmt.dtype, asm=asm)
-    if fmt.dtype != "int4":
-        return [raw.astype(dtype)]
-    wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
-    # Two's-complement nibble n: (n ^ 8) - 8.
-    return [((((wide >> shift) & 0xF) ^ 8) - 8).astype(dtype) for shift in (0, 4)]
+    return int4_nibbles(raw, dtype) if fmt.dtype == "int4" else [raw.astype(dtype)]
 
 
 def row_scale(scale_ref, at, t_ok):

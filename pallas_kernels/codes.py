@@ -111,16 +111,19 @@ def _asm(code: str, raw):
     return values
 
 
+def int4_nibbles(raw, dtype) -> list:
+    """uint8 bytes `[block, Dp]` -> two tiles of `dtype` by plain casts: the low nibbles,
+    then the high nibbles, as two's-complement values in [-8, 7]."""
+    wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
+    return [((((wide >> shift) & 0xF) ^ 8) - 8).astype(dtype) for shift in (0, 4)]
+
+
 def codes_to_bf16(raw, dtype: str, *, asm: bool) -> list:
     """Stored codes `[block, Dp]` (int8, float8_e4m3fn, or uint8 holding two INT4 nibbles)
     -> bfloat16 value tiles, unscaled: one, or two for INT4 (low nibbles, high nibbles).
     asm: the packed PTX conversion (GPU); else plain casts (interpret mode)."""
     if dtype == "int4":
-        if asm:
-            return [_asm(code, raw) for code in _INT4]
-        wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
-        # Two's-complement nibble n: (n ^ 8) - 8.
-        return [((((wide >> shift) & 0xF) ^ 8) - 8).astype(jnp.bfloat16) for shift in (0, 4)]
+        return [_asm(code, raw) for code in _INT4] if asm else int4_nibbles(raw, jnp.bfloat16)
     if asm:
         return [_asm(_FP8 if dtype == "float8_e4m3fn" else _INT8, raw)]
     return [raw.astype(jnp.bfloat16)]
