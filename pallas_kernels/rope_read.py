@@ -32,7 +32,16 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-__all__ = ["RopeTables", "evicted"]
+__all__ = [
+    "RopeTables",
+    "TileQueries",
+    "decode_queries",
+    "decode_scores",
+    "evicted",
+    "rotated_query_rows",
+    "tile_queries",
+    "tile_scores",
+]
 
 
 @jax.tree_util.register_dataclass
