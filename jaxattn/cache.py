@@ -251,11 +251,11 @@ def _write(cache, k, v, slot_mapping, read_dtype):
         return pages.at[page, :, offset].set(x, mode="drop", unique_indices=True)
 
     def read_back(stored, scales):
-        # XLA on GPU folds a convert to a narrower float and back into nothing (excess
-        # precision): the barrier keeps the rounding to the stored dtype.
-        stored = jax.lax.optimization_barrier(stored)
         if cache.quant is None:
-            return stored.astype(read_dtype)
+            # XLA on GPU folds a convert to a narrower float and back into nothing (excess
+            # precision): the barrier keeps the rounding to the pools' dtype. (Quantized
+            # codes need none: `quantize` rounds explicitly.)
+            return jax.lax.optimization_barrier(stored).astype(read_dtype)
         return dequantize(stored, scales, cache.quant, jnp.float32).astype(read_dtype)
 
     def write(pages, scales, x):
