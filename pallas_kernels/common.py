@@ -111,9 +111,11 @@ def softmax_finish(carry, row_ok=True):
     return out, jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
-def whole_array_call(kernel, inputs, out_shape, *, grid, num_warps, num_stages, interpret, name):
+def whole_array_call(kernel, inputs, out_shape, *, grid, num_warps, num_stages, interpret, name,
+                     aliases=None):  # fmt: skip
     """A Triton `pallas_call` whose refs are whole arrays: the kernels index them
-    themselves (data-dependent tiles, block tables), which BlockSpecs cannot express."""
+    themselves (data-dependent tiles, block tables), which BlockSpecs cannot express.
+    `aliases`: {input index: output index} of inputs updated in place."""
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
     return pl.pallas_call(
         kernel,
@@ -122,6 +124,7 @@ def whole_array_call(kernel, inputs, out_shape, *, grid, num_warps, num_stages, 
         out_specs=[whole(s) for s in out_shape],
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        input_output_aliases=aliases or {},
         interpret=interpret,
         name=name,
     )(*inputs)

@@ -163,6 +163,7 @@ def _flash_prefill_kernel(
     has_rope: bool,
     quantize: bool,
     tile_loop: bool,
+    has_into: bool,
 ):
     has_index, has_bias, has_mask, has_alibi, has_rel, has_lse = has
     refs = list(refs)
@@ -187,6 +188,8 @@ def _flash_prefill_kernel(
         rope_tables=rope_refs[1:] if has_rope else None,
     )
     inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
+    if has_into:  # an earlier launch's out and lse, aliased to this one's
+        refs = refs[2:]
     o_ref = refs.pop(0)  # [Tq_all, Hq, D]
     lse_ref = refs.pop(0) if has_lse else None  # [Hq, Tq_all]
 
@@ -358,6 +361,7 @@ def flash_prefill(
     return_lse: bool = False,
     out_dtype=None,
     out_scale=None,
+    into=None,
     interpret: bool = False,
 ):
     """Flash attention of a dense or a packed batch.
@@ -379,6 +383,9 @@ def flash_prefill(
       params, config: static options and tiling.
       out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
         stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
+      into: packed batches with `return_lse`: None, or (out, lse) of an earlier call over
+        the same q rows; this call writes its tiles' rows into them in place (aliased)
+        and leaves every other row as it was (two launches over one output, no merge).
 
     Returns:
       out shaped like q in `out_dtype`, and lse float32 `[B, Hq, Tq]` / `[Hq, Tq_all]` (or None).
@@ -432,6 +439,15 @@ def flash_prefill(
     out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
+    aliases = None
+    if into is not None:
+        if batch.dense or not return_lse:
+            raise ValueError("flash_prefill: `into` needs a packed batch and return_lse=True")
+        for x, want in zip(into, out_shape, strict=True):
+            if x.shape != want.shape or x.dtype != want.dtype:
+                raise ValueError(f"flash_prefill: into has {x.shape} {x.dtype}, expected {want}")
+        aliases = {len(inputs): 0, len(inputs) + 1: 1}
+        inputs += list(into)
 
     kernel = functools.partial(
         _flash_prefill_kernel,
@@ -446,6 +462,7 @@ def flash_prefill(
         has_rope=rope is not None,
         quantize=quantize,
         tile_loop=num_programs < num_tiles,
+        has_into=into is not None,
     )
     outs = whole_array_call(
         kernel,
@@ -456,6 +473,7 @@ def flash_prefill(
         num_stages=config.num_stages,
         interpret=interpret,
         name="flash_prefill",
+        aliases=aliases,
     )
     out, lse = outs[0], (outs[1] if return_lse else None)
     if dense_shape is not None:
