@@ -13,7 +13,9 @@ writes k and v into the cache (quantizing), and attends:
   the pages (dequantized on load) and the new keys from the packed input, rounded to what
   the cache stores, so a prompt processed in chunks attends to the same values as in one
   pass. The prefix is read from the cache as it was before the write only in a cyclic
-  cache, where a long chunk may overwrite slots its own first queries still need.
+  cache, where a long chunk may overwrite slots its own first queries still need. Long
+  chunks (`PagedAttentionConfig.gather_min_tokens` new tokens over a prefix) attend over
+  a contiguous copy of their history instead, in a second launch (`jaxattn.history`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from jaxattn import reference, streaming, validation
+from jaxattn import history, reference, streaming, validation
 from jaxattn.cache import PagedKVCache, write_kv_stored
 from jaxattn.decode import cache_format
 from jaxattn.dispatch import run_first
@@ -41,6 +43,7 @@ from pallas_kernels.flash_prefill import (
     LogitParams,
     flash_prefill,
 )
+from pallas_kernels.history_gather import history_gather
 from pallas_kernels.paged_decode import (
     DecodeParams,
     PagedDecodeConfig,
@@ -52,10 +55,33 @@ __all__ = ["PagedAttentionConfig", "paged_attention", "paged_attention_qkv"]
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionConfig:
-    """Tilings of the two kernels of `paged_attention`; None picks each one's heuristic."""
+    """Tilings of the two kernels of `paged_attention` (None picks each one's heuristic)
+    and the history gather of long chunks (`jaxattn.history`).
+
+    Attributes:
+      prefill, decode: `FlashPrefillConfig`, `PagedDecodeConfig` or None.
+      gather_tokens: rows of the history buffer: context rows with a cached prefix and at
+        least `gather_min_tokens` new tokens whose histories fit (in batch order) attend
+        over a contiguous copy of them; None: the plan's capacity `max_pages * page_size`,
+        at most 32768; 0: never. The buffer holds K and V, `2 * G * Hkv * D` values of
+        q's dtype; only the rows used are copied. Not with a window, a cyclic cache,
+        `rope_on_read` or a T5 bias (every row keeps the paged loop there).
+      gather_min_tokens: new tokens a row needs to be gathered.
+    """
 
     prefill: FlashPrefillConfig | None = None
     decode: PagedDecodeConfig | None = None
+    gather_tokens: int | None = None
+    gather_min_tokens: int = history.DEFAULT_MIN_TOKENS
+
+    def __post_init__(self):
+        if self.gather_tokens is not None and self.gather_tokens < 0:
+            raise ValueError(f"PagedAttentionConfig: gather_tokens={self.gather_tokens} < 0")
+        if self.gather_min_tokens < 2:
+            raise ValueError(
+                f"PagedAttentionConfig: gather_min_tokens={self.gather_min_tokens}: a "
+                "context row has at least 2 new tokens"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,7 +422,16 @@ def _pallas(
         return out, lse.T
     # Context rows: the flash kernel; generation rows: each row's one token, over the
     # cache after the write.
-    out_p, lse_p = context(q, k_new, v_new, batch)
+    gather_rows = 0
+    if options.window is None and meta.ring is None and read_rope is None:
+        gather_rows = history.buffer_rows(
+            meta, cache.page_size, config.gather_tokens, config.gather_min_tokens
+        )
+    if gather_rows:  # long chunks over their gathered histories, the rest paged
+        out_p, lse_p = _gathered(context, q, k_new, v_new, batch, prefix_cache, meta, fmt,
+                                 ~decode_rows, gather_rows, config, interpret)  # fmt: skip
+    else:
+        out_p, lse_p = context(q, k_new, v_new, batch)
     first = jnp.minimum(cu[:-1], num_tokens - 1)
     out_d, lse_d = decode(
         q[first],
@@ -408,6 +443,40 @@ def _pallas(
     out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
     lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
     return _zero_padding(out, lse, real, out_dtype)
+
+
+def _gathered(context, q, k_new, v_new, batch, cache, meta, fmt, context_rows, num_rows,
+              config, interpret):  # fmt: skip
+    """The context rows' flash attention in two launches into one output: the rows
+    `history.plan` chooses over a contiguous copy of their histories (packed, no cache),
+    the others paged."""
+    gather = history.plan(meta, context_rows, cache.page_size, num_rows, config.gather_min_tokens)
+    k_hist, v_hist = history_gather(
+        gather.sources,
+        cache.k_pages,
+        cache.v_pages,
+        k_new,
+        v_new,
+        k_scales=cache.k_scales,
+        v_scales=cache.v_scales,
+        fmt=fmt,
+        interpret=interpret,
+    )
+    chosen = gather.chosen
+    only = lambda x, rows: jnp.where(rows, x, 0)  # noqa: E731
+    packed = dataclasses.replace(
+        batch, q_len=only(batch.q_len, chosen), q_rows=only(batch.q_rows, chosen),
+        k_start=gather.starts,
+    )  # fmt: skip
+    paged = dataclasses.replace(
+        batch, q_len=only(batch.q_len, ~chosen), q_rows=only(batch.q_rows, ~chosen)
+    )
+    num_tokens, _, head_dim = q.shape
+    packed_config = config.prefill or FlashPrefillConfig.heuristic(
+        num_tokens, num_rows, head_dim, q.dtype, True, lengths=True
+    )
+    into = context(q, k_new, v_new, paged)
+    return context(q, k_hist, v_hist, packed, cached=None, config=packed_config, into=into)
 
 
 def _zero_padding(out, lse, real, out_dtype):

@@ -939,3 +939,69 @@ def test_bad_input_raises_naming_the_argument(name):
     make, match = BAD[name]
     with pytest.raises(ValueError, match=match):
         make()()
+
+
+# ------------------------------------------------------------------ history gather
+# Chunks of at least 4 new tokens over a prefix are gathered while their histories fit in
+# 64 rows (in batch order); the others keep the paged loop. The batch order is random, so
+# which rows fit varies with the seed; every row is checked either way.
+GATHERED = (
+    Row(40, 6),  # a history of 46
+    Row(20, 5),  # 25: both fit only without each other
+    Row(8, 4),  # 12
+    Row(6, 3),  # too few new tokens
+    Row(0, 9),  # no prefix
+    Row(9, 1),  # generation
+    Row(0, 0),
+)
+GATHER = jaxattn.PagedAttentionConfig(gather_tokens=64, gather_min_tokens=4)
+
+
+@dtypes
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        Opts("gather_gqa", return_lse=True, config=GATHER),
+        Opts("gather_alibi_softcap_rope", hkv=1, alibi=True, soft_cap=2.0, return_lse=True,
+             rope=jaxattn.RoPE(theta=100.0), poison="huge", config=GATHER),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_history_gather(opts, dtype, seed):
+    run_two_calls(GATHERED, opts, "pallas", dtype, seed=seed)
+
+
+@pytest.mark.parametrize("quant", [QUANTS[1], QUANTS[4]], ids=qid)
+def test_history_gather_quantized(quant):
+    """The copy dequantizes as the flash kernel's paged loop does (int8 groups, int4)."""
+    run_two_calls(GATHERED, Opts("gather_quant", config=GATHER), "pallas", "float32", quant=quant)
+
+
+def test_history_plan_rows_and_sources():
+    """Rows qualify in batch order while their histories fit; a row's buffer rows name
+    its cached positions (page, offset) and then its new rows."""
+    # rows: (q_len, context_len) with pages of 4; row 3 (history 30) no longer fits.
+    q_lens, lens = [5, 1, 6, 4, 8, 2], [13, 9, 22, 30, 8, 11]
+    tables = [[s * 10 + i for i in range(-(-n // P))] for s, n in enumerate(lens)]
+    meta = jaxattn.AttentionMetadata.from_lists(q_lens, lens, tables, P, max_tokens=32,
+                                                max_seqs=6, max_pages=8)  # fmt: skip
+    context_rows = jnp.asarray(q_lens) > 1
+    plan = jaxattn.history.plan(meta, context_rows, P, 64, min_tokens=4)
+    np.testing.assert_array_equal(plan.chosen, [True, False, True, False, False, False])
+    np.testing.assert_array_equal(np.asarray(plan.starts)[[0, 2]], [0, 13])
+    page, offset, new = np.asarray(plan.sources)
+    cu = np.cumsum([0] + q_lens)
+    for s, start in ((0, 0), (2, 13)):
+        prefix = lens[s] - q_lens[s]
+        for p in range(lens[s]):
+            r = start + p
+            if p < prefix:
+                assert (page[r], offset[r], new[r]) == (tables[s][p // P], p % P, -1), (s, p)
+            else:
+                assert (page[r], new[r]) == (-1, cu[s] + p - prefix), (s, p)
+    assert (page[35:] == -1).all() and (new[35:] == -1).all()
+    # No row can qualify: too few tokens in the step, or histories longer than the buffer.
+    assert jaxattn.history.buffer_rows(meta, P, None, 32) == 0
+    assert jaxattn.history.buffer_rows(meta, P, 16, 4) == 64  # rounded up to a block
+    assert jaxattn.history.buffer_rows(meta, P, 0, 4) == 0

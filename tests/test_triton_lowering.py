@@ -203,13 +203,16 @@ def _meta_spec(num_tokens, num_seqs, max_pages, ring=None, decode_only=False):
      dict(window=100, sink_tokens=4, ring=(16, 112), rope_on_read=True,
           rope=jaxattn.RoPE(theta=500000.0, rotary_dim=64, scaling=jaxattn.Llama3Scaling(8.0))),
      dict(decode_only=True, soft_cap=30.0, return_lse=True,
-          rope=jaxattn.RoPE(theta=500000.0, style="gptj", rotary_dim=64))],
-    ids=["plain", "window_ring", "t5", "alibi_softcap_lse", "rope_on_read_ring", "decode_only"],
+          rope=jaxattn.RoPE(theta=500000.0, style="gptj", rotary_dim=64)),
+     dict(config=jaxattn.PagedAttentionConfig(gather_tokens=128, gather_min_tokens=16))],
+    ids=["plain", "window_ring", "t5", "alibi_softcap_lse", "rope_on_read_ring", "decode_only",
+         "history_gather"],
 )  # fmt: skip
 def test_paged_attention_lowers_to_triton(quant, options):
     """Both kernels of a serving step: the flash kernel reading a paged (quantized,
     possibly cyclic) prefix, and the decode kernel; with rope_on_read, both rotate on
-    read (StreamingLLM). A decode-only plan: the decode kernel alone, rotating q on load."""
+    read (StreamingLLM). A decode-only plan: the decode kernel alone, rotating q on load.
+    History gather: the copy kernel (dequantizing) and the packed flash launch too."""
     options = dict(options)
     ring = options.pop("ring", None)
     decode_only = options.pop("decode_only", False)
@@ -239,6 +242,8 @@ def test_paged_attention_lowers_to_triton(quant, options):
         arrays,
     )
     assert "triton" in text
+    if "config" in options:  # the copy kernel, then the flash kernel's two launches
+        assert text.count("history_gather") >= 1 and text.count("flash_prefill") >= 2
 
 
 # FP8 output (out_dtype=float8_e4m3fn): the quantizing epilogues lower (Triton's RTNE
