@@ -101,10 +101,10 @@ def _pool(step: Step, heads, seed: int):
     return cache, (q, k, v, meta)
 
 
-def _ours(config=None):
+def _ours(config=None, **options):
     import jaxattn
 
-    cfg = None if config is None else jaxattn.PagedAttentionConfig(prefill=config)
+    cfg = jaxattn.PagedAttentionConfig(prefill=config, **options)
     return functools.partial(jaxattn.paged_attention, implementation="pallas", config=cfg)
 
 
@@ -212,9 +212,19 @@ def _split_reference(cache, args):
 
 
 def _chunk_rows(settings: Settings, heads) -> list[Row]:
+    """A chunk over a long paged prefix, against the dense kernel on the same work: the
+    default (the history gather, `jaxattn.history`) and the paged key loop alone (gather
+    off), for a 2048-token chunk (the target row) and a 512-token one (the gather's
+    threshold)."""
+    rows = []
+    for chunk, prefix in ((2048, 14336), (512, 14336)) if not settings.smoke else ((64, 192),):
+        rows += _one_chunk(settings, heads, chunk, prefix)
+    return rows
+
+
+def _one_chunk(settings: Settings, heads, chunk: int, prefix: int) -> list[Row]:
     import jaxattn
 
-    chunk, prefix = (2048, 14336) if not settings.smoke else (64, 192)
     step = Step(((chunk, prefix + chunk),))
     cache, args = _pool(step, heads, seed=11)
     q, k, v, meta = args
@@ -225,40 +235,40 @@ def _chunk_rows(settings: Settings, heads) -> list[Row]:
     ref = jaxattn.attention(*dense_args, causal=True, implementation="xla")[0]
     flops = _flops(step, heads)
     shape = f"chunk {chunk} over {prefix} prefix"
-    rows = [
-        bench_impl(
-            settings,
-            set_name="serving_chunk",
-            shape=shape,
-            impl="dense flash",
-            fn=jax.jit(functools.partial(jaxattn.attention, causal=True, implementation="pallas")),
-            arg_sets=[dense_args],
-            ref=ref[None],
-            tol=TOLERANCES[q.dtype],
-            work=flops,
-            on_error="FAILED",
-            notes="jaxattn.attention on contiguous K/V (same work)",
-        )
-    ]
+    dense = bench_impl(
+        settings,
+        set_name="serving_chunk",
+        shape=shape,
+        impl="dense flash",
+        fn=jax.jit(functools.partial(jaxattn.attention, causal=True, implementation="pallas")),
+        arg_sets=[dense_args],
+        ref=ref[None],
+        tol=TOLERANCES[q.dtype],
+        work=flops,
+        on_error="FAILED",
+        notes="jaxattn.attention on contiguous K/V (same work)",
+    )
     config = jaxattn.FlashPrefillConfig.heuristic(
         chunk, prefix + chunk, heads[2], q.dtype, True, lengths=True, packed=True, paged=True
     )
-    variants = [(None, f"config {config_label(config)} (heuristic)", False)]
+    variants = [
+        (_ours(), "default: history gather", False),
+        (_ours(gather_tokens=0), f"paged loop (gather off), {config_label(config)}", False),
+    ]
     if settings.sweep:
         specs = settings.sweep_configs or DEFAULT_SWEEP
-        variants += [(parse_config(spec), f"sweep {spec}", True) for spec in specs]
-    for variant, notes, sweep in variants:
-        rows.append(
-            _row(settings, "serving_chunk", shape, "ours", _ours(variant), cache, args, ref,
-                 work=flops, unit="TFLOP/s", notes=notes, sweep=sweep)
-        )  # fmt: skip
-    if rows[0].rate and rows[1].rate:
-        rows[1] = progress(
-            dataclasses.replace(
-                rows[1],
-                notes=join_notes(rows[1].notes, f"{rows[1].rate / rows[0].rate:.2f}x dense"),
-            )
-        )
+        variants += [
+            (_ours(parse_config(spec), gather_tokens=0), f"sweep {spec}, paged loop", True)
+            for spec in specs
+        ]
+    rows = [dense]
+    for attn, notes, sweep in variants:
+        row = _row(settings, "serving_chunk", shape, "ours", attn, cache, args, ref,
+                   work=flops, unit="TFLOP/s", notes=notes, sweep=sweep)  # fmt: skip
+        if dense.rate and row.rate:
+            ratio = f"{row.rate / dense.rate:.2f}x dense"
+            row = progress(dataclasses.replace(row, notes=join_notes(row.notes, ratio)))
+        rows.append(row)
     return rows
 
 
