@@ -28,7 +28,10 @@ from jaxtyping import Array, Bool, Int
 from jaxattn.metadata import AttentionMetadata
 from pallas_kernels.history_gather import BLOCK_ROWS
 
-DEFAULT_MAX_TOKENS = 32768  # buffer rows when the config leaves it to the plan
+# The buffer when the config leaves it to the plan: the plan's capacity, at most this many
+# rows and bytes (K and V together: 32768 rows of Hkv 8, D 128 in bf16 are 128 MiB).
+DEFAULT_MAX_TOKENS = 32768
+DEFAULT_MAX_BYTES = 256 * 2**20
 DEFAULT_MIN_TOKENS = 512  # new tokens a row needs to be gathered
 
 
@@ -43,12 +46,15 @@ class GatherPlan:
 
 
 def buffer_rows(meta: AttentionMetadata, page_size: int, max_tokens: int | None,
-                min_tokens: int) -> int:  # fmt: skip
+                min_tokens: int, row_bytes: int) -> int:  # fmt: skip
     """The buffer's static row count G (a multiple of BLOCK_ROWS), or 0 when no row of
     this plan could qualify: fewer than `min_tokens` tokens in the step, or no history
-    longer than that fits in the buffer or the table."""
+    longer than that fits in the buffer or the table. `max_tokens` None: the defaults
+    above, with `row_bytes` the bytes of one row of K and V (`2 * Hkv * D * itemsize`)."""
     capacity = meta.max_pages * page_size
-    rows = min(capacity, DEFAULT_MAX_TOKENS) if max_tokens is None else max_tokens
+    rows = max_tokens
+    if max_tokens is None:
+        rows = min(capacity, DEFAULT_MAX_TOKENS, DEFAULT_MAX_BYTES // row_bytes)
     rows = -(-rows // BLOCK_ROWS) * BLOCK_ROWS
     if meta.max_tokens < min_tokens or min(rows, capacity) <= min_tokens:
         return 0

@@ -63,9 +63,10 @@ class PagedAttentionConfig:
       gather_tokens: rows of the history buffer: context rows with a cached prefix and at
         least `gather_min_tokens` new tokens whose histories fit (in batch order) attend
         over a contiguous copy of them; None: the plan's capacity `max_pages * page_size`,
-        at most 32768; 0: never. The buffer holds K and V, `2 * G * Hkv * D` values of
-        q's dtype; only the rows used are copied. Not with a window, a cyclic cache,
-        `rope_on_read` or a T5 bias (every row keeps the paged loop there).
+        at most 32768 rows and 256 MiB; 0: never. The buffer holds K and V,
+        `2 * G * Hkv * D` values of q's dtype; only the rows used are copied. Not with
+        a window, a cyclic cache, `rope_on_read` or a T5 bias (every row keeps the paged
+        loop there).
       gather_min_tokens: new tokens a row needs to be gathered.
     """
 
@@ -424,8 +425,9 @@ def _pallas(
     # cache after the write.
     gather_rows = 0
     if options.window is None and meta.ring is None and read_rope is None:
+        row_bytes = 2 * k_new.shape[1] * head_dim * q.dtype.itemsize
         gather_rows = history.buffer_rows(
-            meta, cache.page_size, config.gather_tokens, config.gather_min_tokens
+            meta, cache.page_size, config.gather_tokens, config.gather_min_tokens, row_bytes
         )
     if gather_rows:  # long chunks over their gathered histories, the rest paged
         out_p, lse_p = _gathered(context, q, k_new, v_new, batch, prefix_cache, meta, fmt,

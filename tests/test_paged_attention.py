@@ -1002,6 +1002,12 @@ def test_history_plan_rows_and_sources():
                 assert (page[r], new[r]) == (-1, cu[s] + p - prefix), (s, p)
     assert (page[35:] == -1).all() and (new[35:] == -1).all()
     # No row can qualify: too few tokens in the step, or histories longer than the buffer.
-    assert jaxattn.history.buffer_rows(meta, P, None, 32) == 0
-    assert jaxattn.history.buffer_rows(meta, P, 16, 4) == 64  # rounded up to a block
-    assert jaxattn.history.buffer_rows(meta, P, 0, 4) == 0
+    row_bytes = 2 * 2 * D * 4  # Hkv 2, float32
+    assert jaxattn.history.buffer_rows(meta, P, None, 32, row_bytes) == 0
+    assert jaxattn.history.buffer_rows(meta, P, None, 4, row_bytes) == 64  # capacity 32
+    assert jaxattn.history.buffer_rows(meta, P, 16, 4, row_bytes) == 64  # a block at least
+    assert jaxattn.history.buffer_rows(meta, P, 0, 4, row_bytes) == 0
+    # The default's byte cap: rows of 1 MiB leave 256 rows of a larger capacity.
+    big = dataclasses.replace(meta, block_tables=jnp.zeros((6, 1024), jnp.int32))
+    assert jaxattn.history.buffer_rows(big, P, None, 4, 2**20) == 256
+    assert jaxattn.history.buffer_rows(big, P, None, 4, row_bytes) == 4096
