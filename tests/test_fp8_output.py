@@ -252,23 +252,28 @@ def _mixed_step(seed=0):
 
 
 @impls
-def test_paged_attention_fp8_mixed_batch(impl):
-    """Context rows (flash kernel), generation rows (decode kernel, split-K), padding."""
+@pytest.mark.parametrize("window", [9, None], ids=["window", "history_gather"])
+def test_paged_attention_fp8_mixed_batch(impl, window):
+    """Context rows (flash kernel), generation rows (decode kernel, split-K), padding.
+    Without a window the chunk row is gathered (`jaxattn.history`): its launch stores
+    fp8 into the paged launch's output."""
     skip_without_fp8_kernels(impl)
     q, k, v, cache, meta, histories, real = _mixed_step()
     alibi = jaxattn.alibi_slopes(HQ)
     q_clean = np.where(real[:, None, None], util.f64(q), 0.0)
     want, want_lse = step_oracle(
-        q_clean, meta.cu_seqlens_q, meta.context_lens, histories, window=9,
+        q_clean, meta.cu_seqlens_q, meta.context_lens, histories, window=window,
         alibi_slopes=np.float64(alibi),
     )  # fmt: skip
     config = None
     if impl == "pallas":
         decode = jaxattn.PagedDecodeConfig(block_kv=16, num_splits=2)
-        config = jaxattn.PagedAttentionConfig(prefill=util.kernel_config(), decode=decode)
+        config = jaxattn.PagedAttentionConfig(
+            prefill=util.kernel_config(), decode=decode, gather_tokens=64, gather_min_tokens=4
+        )
     fn = jax.jit(
         lambda q, k, v, cache, meta, s: jaxattn.paged_attention(
-            q, k, v, cache, meta, window=9, alibi_slopes=alibi, return_lse=True,
+            q, k, v, cache, meta, window=window, alibi_slopes=alibi, return_lse=True,
             implementation=impl, config=config, out_dtype=FP8, out_scale=s,
         )
     )  # fmt: skip
