@@ -90,7 +90,9 @@ def plan(
     used = r < ends[-1]
     in_cache = used & (p < prefix[s])
     col = jnp.clip(p // page_size, 0, meta.max_pages - 1)
-    page = jnp.where(in_cache, meta.block_tables[s, col], -1)
+    # A negative (corrupt) page id stays a cache read, clamped into the pool by the copy
+    # kernel as by the paged loop, rather than leaving the row unwritten.
+    page = jnp.where(in_cache, jnp.maximum(meta.block_tables[s, col], 0), -1)
     new = jnp.where(used & ~in_cache, cu[s] + p - prefix[s], -1)
     sources = jnp.stack([page, p % page_size, new]).astype(jnp.int32)
     return GatherPlan(chosen, starts, sources)
