@@ -51,6 +51,9 @@ class CacheFormat:
         return self.dtype is not None and (self.granularity == "tensor" or self.group_size == 0)
 
 
+PLAIN = CacheFormat()  # float pools, no scales
+
+
 def ring_position(t, ring: tuple[int, int] | None):
     """Where position `t` (int array, >= 0) is stored in a sequence's pages: `t` itself, or
     in a cyclic cache `ring = (kept, size)`: positions below `kept` (sink tokens) stay put,

@@ -17,11 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.cache_read import CacheFormat, read_rows
+from pallas_kernels.cache_read import PLAIN, CacheFormat, read_rows
 from pallas_kernels.common import next_power_of_2, whole_array_call
 
 BLOCK_ROWS = 64  # buffer rows per program; buffer sizes are multiples of it
-PLAIN = CacheFormat()  # float pools, no scales
 _PAGE, _OFFSET, _NEW = range(3)  # rows of the source table
 
 

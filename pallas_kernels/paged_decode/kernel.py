@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import rope_read
-from pallas_kernels.cache_read import CacheFormat, read_kv, ring_position, row_scale
+from pallas_kernels.cache_read import PLAIN, CacheFormat, read_kv, ring_position, row_scale
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
@@ -41,7 +41,6 @@ from pallas_kernels.output import FP8, inverse_scale, output_value
 from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
-PLAIN = CacheFormat()  # float pools, no scales
 _MIN_ROWS = 16  # Triton's dot needs M >= 16: the group's query rows are padded to this
 
 
