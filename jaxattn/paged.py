@@ -424,7 +424,7 @@ def _pallas(
     # Context rows: the flash kernel; generation rows: each row's one token, over the
     # cache after the write.
     gather_rows = 0
-    if options.window is None and meta.ring is None and read_rope is None:
+    if options.window is None and read_rope is None:  # (a cyclic cache has a window)
         row_bytes = 2 * k_new.shape[1] * head_dim * q.dtype.itemsize
         gather_rows = history.buffer_rows(
             meta, cache.page_size, config.gather_tokens, config.gather_min_tokens, row_bytes
