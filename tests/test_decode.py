@@ -223,6 +223,90 @@ def test_combine_splits_vs_numpy():
     assert np.all(np.asarray(out)[1, 2] == 0) and np.asarray(lse)[1, 2] == -np.inf
 
 
+def _bits(x) -> np.ndarray:
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+WRITE_CASES = [
+    Case("gqa4", lengths=(1, 8, 9, 48, 0)),
+    Case("window_sinks_alibi_softcap", lengths=(30, 48, 4, 2), window=9, sink_tokens=3,
+         alibi=True, soft_cap=3.0, scale=0.3),
+    Case("mqa_pages16", lengths=(16, 33, 17), num_kv_heads=1, page_size=16, max_pages=3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", [None, jaxattn.RoPE(theta=50.0, style="gptj", rotary_dim=16)],
+                         ids=["no_rope", "gptj_partial"])  # fmt: skip
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", WRITE_CASES, ids=str)
+def test_kernel_writes_the_new_token(case, splits, rope):
+    """`new_kv`: each row's last token comes as an input (its slot in the pools still
+    poisoned), is attended from there (k rotated as q) and stored at its slot; a real row
+    with slot -1 and one with a slot past the pools attend but store nothing; every other
+    slot keeps its bits."""
+    from paged_oracle import rope_np
+
+    from jaxattn.rope import token_rotations
+    from pallas_kernels.common import use_interpret
+    from pallas_kernels.paged_decode import DecodeParams, paged_decode
+
+    q, cache, tables, lengths, k_hist, v_hist = _build(case, "float32", 2)
+    batch, page, hkv, d = len(case.lengths), case.page_size, case.num_kv_heads, _head_dim()
+    num_pages = cache.k_pages.shape[0]
+    last = np.maximum(np.asarray(case.lengths) - 1, 0)
+    live = np.asarray(case.lengths) > 0
+    slots = np.where(live, np.asarray(tables)[np.arange(batch), last // page] * page + last % page,
+                     -1)  # fmt: skip
+    k_pool, v_pool = (np.array(x) for x in (cache.k_pages, cache.v_pages))
+    for b in np.flatnonzero(live):  # the new token is not in the pools yet
+        for pool in (k_pool, v_pool):
+            pool[slots[b] // page, :, slots[b] % page] = np.nan
+    stored = slots.copy()
+    live_rows = np.flatnonzero(live)
+    stored[live_rows[0]] = -1  # attended, not stored
+    if len(live_rows) > 1:
+        stored[live_rows[1]] = num_pages * page  # past the pools: dropped
+    k_new, v_new = k_hist[np.arange(batch), last], v_hist[np.arange(batch), last]  # [B, Hkv, D]
+    positions = last
+    q_rope = None
+    q64 = util.f64(q)
+    if rope is not None:
+        rot = token_rotations(jnp.asarray(positions), rope, d)
+        q_rope = (rot.cos, rot.sin, rot.partner)
+        q64 = rope_np(q64, positions, rope)
+        k_hist = k_hist.copy()
+        k_hist[np.arange(batch), last] = rope_np(k_new, positions, rope)
+    opts = _options(case)
+    params = DecodeParams(window=case.window, sink_tokens=case.sink_tokens,
+                          soft_cap=case.soft_cap, scale=case.scale or d**-0.5)  # fmt: skip
+    out, lse, k_after, v_after = jax.jit(
+        functools.partial(paged_decode, params=params, interpret=use_interpret(),
+                          config=jaxattn.PagedDecodeConfig(16, splits))  # fmt: skip
+    )(
+        q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, lengths,
+        alibi_slopes=opts["alibi_slopes"], q_rope=q_rope,
+        new_kv=(jnp.asarray(k_new, jnp.float32), jnp.asarray(v_new, jnp.float32),
+                jnp.asarray(stored, jnp.int32)),
+    )  # fmt: skip
+    want, want_lse = _oracle(case, q64, k_hist, v_hist)
+    util.assert_out_close(out, want, "float32", what=f"out ({splits} splits)")
+    util.assert_lse_close(lse, want_lse, "float32")
+    util.assert_zero_rows(out, ~live[:, None, None], "idle rows")
+    written = stored[(stored >= 0) & (stored < num_pages * page)]
+    pools = (("k", k_pool, k_after, k_hist), ("v", v_pool, v_after, v_hist))
+    for name, before, after, hist in pools:
+        rows_before, rows_after = (np.asarray(x).transpose(0, 2, 1, 3).reshape(-1, hkv, d)
+                                   for x in (before, after))  # fmt: skip
+        others = np.setdiff1d(np.arange(num_pages * page), written)
+        np.testing.assert_array_equal(_bits(rows_after[others]), _bits(rows_before[others]),
+                                      f"{name}: a slot not written changed")  # fmt: skip
+        tol = 1e-5 if name == "k" and rope is not None else 0.0  # float32 rotation
+        for b in np.flatnonzero(np.isin(stored, written)):
+            np.testing.assert_allclose(rows_after[stored[b]], hist[b, last[b]], rtol=tol,
+                                       atol=tol, err_msg=f"{name}: row {b}'s token")  # fmt: skip
+
+
 def test_decode_after_write_kv_matches_gather_reference():
     """The serving path: tokens written with write_kv, decode equals the reference on
     gather_kv of the same cache."""

@@ -14,6 +14,13 @@ them (out = sum_s exp(lse_s - lse) * out_s; `combine.py`). This keeps the GPU bu
 FP8 output (`out_dtype=float8_e4m3fn`): the normalised float32 result is quantized in the
 store (`combine.quantize_output`): by this kernel's epilogue without splits, by the
 combine kernel's with them (the partials stay float32).
+
+Fused cache write (`new_kv`, TensorRT-LLM's generation-phase attention does the same): the
+row's new token (its last, at position `context_len - 1`) comes as inputs: the kernel
+rotates its key with q's rotation (`q_rope`), attends to it from registers, reads only the
+tokens before it from the pages, and stores it at its slot of the pools, which it returns
+updated in place (`input_output_aliases`). A decode step then needs no XLA pass between the
+projections and this kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ def _paged_decode_kernel(
     has_indirection: bool,
     has_rope: bool,
     has_q_rope: bool,
+    has_new: bool,
+    new_heads: tuple[int, int],
     split_out: bool,
     quantize: bool,
     group: int,
@@ -87,8 +96,12 @@ def _paged_decode_kernel(
     rope_refs = [refs.pop(0) for _ in range(3)] if has_rope else None
     # Ordinary RoPE of q on load: cos, sin float32 [B, D], partner int32 [D].
     q_rope_refs = [refs.pop(0) for _ in range(3)] if has_q_rope else None
+    # The new token: k, v [B, Hkv, D] and its slot int32 [B] (< 0: not stored).
+    new_refs = [refs.pop(0) for _ in range(3)] if has_new else None
     inv_ref = refs.pop(0) if quantize else None  # [1] float32: 1 / out_scale (fp8 output)
-    o_ref, lse_ref = refs  # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]
+    # [B, Hq, D] and [B, Hq]; or [B, Hq, S, D] and [B, Hq, S]; then with `has_new` the
+    # pools again (aliased to k_ref, v_ref: written, never read).
+    o_ref, lse_ref, *pool_refs = refs
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_pages, page_size, max_pages = k_ref.shape[0], k_ref.shape[2], table_ref.shape[1]
@@ -109,6 +122,7 @@ def _paged_decode_kernel(
     q = tuple(query_part(p * part_dim + dims[None, :]) for p in range(fmt.parts))
     ctx = ctx_ref[b]
     pos = ctx - 1  # the query's position
+    cached = jnp.maximum(pos, 0) if has_new else ctx  # tokens read from the pages
     slopes = None
     if has_alibi:
         slopes = plgpu.load(alibi_ref.at[heads], mask=row_ok, other=0.0)
@@ -121,9 +135,19 @@ def _paged_decode_kernel(
                        part_cols=part_cols, col_ok=dim_ok)  # fmt: skip
         q_rot = rope_read.decode_queries(q, rope_refs, b, heads, row_ok, pos, **rope_at)
 
+    def logits(s, t):  # q.k `[rows, n]` of tokens t `[n]` -> base-2 logits (unmasked)
+        s = s * qk_scale
+        if has_alibi:
+            dist = jnp.abs(pos - t).astype(jnp.float32)
+            alibi = -slopes[:, None] * dist[None, :]
+            s = s + alibi * (1.0 if params.soft_cap is not None else LOG2E)
+        if params.soft_cap is not None:
+            s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
+        return s
+
     def body(block, carry):
         t = block * block_kv + jnp.arange(block_kv)  # [block_kv] token positions
-        t_ok = (t >= 0) & (t < ctx)
+        t_ok = (t >= 0) & (t < cached)
         stored_at = ring_position(t, params.ring)
         col = stored_at // page_size
         row = b
@@ -146,17 +170,11 @@ def _paged_decode_kernel(
                 jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
                 for qp, kp in zip(q, k, strict=True)
             )
-        s = s * qk_scale
         v_scale = None
         if fmt.row_scales:  # factored out of the tiles: scale logits and probabilities
             s = s * row_scale(k_scale_ref, at, t_ok)[None, :]
             v_scale = row_scale(v_scale_ref, at, t_ok)
-        if has_alibi:
-            dist = jnp.abs(pos - t).astype(jnp.float32)
-            alibi = -slopes[:, None] * dist[None, :]
-            s = s + alibi * (1.0 if params.soft_cap is not None else LOG2E)
-        if params.soft_cap is not None:
-            s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
+        s = logits(s, t)
         visible = t_ok
         if params.window is not None:
             in_window = t > pos - params.window
@@ -169,20 +187,32 @@ def _paged_decode_kernel(
 
     # This split's share of the blocks that can hold visible keys.
     lo = 0 if params.window is None else jnp.maximum(pos - params.window + 1, 0)
-    hi_b = pl.cdiv(ctx, block_kv)
+    hi_b = pl.cdiv(cached, block_kv)
     lo_b = jnp.minimum(lo // block_kv, hi_b)
     per_split = pl.cdiv(hi_b - lo_b, num_splits)
     start = jnp.minimum(lo_b + split * per_split, hi_b)
     end = jnp.minimum(start + per_split, hi_b)
 
     carry = softmax_init(rows, (len(dims),) * fmt.parts)
+    if has_new:
+        # Split 0 stores the new token and attends to it first: the softmax state starts
+        # from it, so nothing of it stays live through the loops (holding its logits and
+        # value through them, or q for them after, ran B64 ctx2048 14% slower).
+        new_ok = (split == 0) & (ctx > 0)
+        k_new, v_new = new_token(new_refs, new_heads, q_rope_refs, pool_refs[0].dtype, b, kvh,
+                                 dims[None, :], dim_ok)  # fmt: skip
+        store_new_token(new_refs[2], pool_refs, b, kvh, new_ok, k_new, v_new, dims[None, :], dim_ok)
+        s_new = jnp.sum(q[0].astype(jnp.float32) * k_new.astype(dtype).astype(jnp.float32), axis=1)
+        s_new = logits(s_new[:, None], jnp.full((1,), pos))[:, 0]
+        carry = first_key(carry, new_ok, s_new, v_new.astype(dtype))
     if params.window is not None and params.sink_tokens:
         # Sink blocks below the window belong to split 0. (Integer arithmetic rather than
         # a select of constants: see flash_prefill on Triton's i1/i32 lowering.)
-        sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, ctx), block_kv), lo_b)
+        sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, cached), block_kv), lo_b)
         sink_b = sink_b * (1 - jnp.minimum(split, 1))
         carry = jax.lax.fori_loop(0, sink_b, body, carry)
-    out, lse = softmax_finish(jax.lax.fori_loop(start, end, body, carry))
+    carry = jax.lax.fori_loop(start, end, body, carry)
+    out, lse = softmax_finish(carry)
     store_ok = row_ok[:, None] & dim_ok
     for p, part in enumerate(out):
         cols = p * part_dim + dims[None, :]
@@ -195,6 +225,42 @@ def _paged_decode_kernel(
         plgpu.store(lse_ref.at[b, heads, split], lse, mask=row_ok)
     else:
         plgpu.store(lse_ref.at[b, heads], lse, mask=row_ok)
+
+
+def new_token(new_refs, new_heads, rope_refs, pool_dtype, b, kvh, cols, col_ok):
+    """Row b's new key (rotated as q when `rope_refs`) and value at kv head `kvh`, `[1, Pd]`
+    each, as the pools store them (`pool_dtype`); `new_heads`: where the kv heads start
+    in the k and v arrays (past the q heads of a fused projection)."""
+    k_ref, v_ref, _ = new_refs
+    k_head, v_head = (jnp.full((1,), start + kvh, jnp.int32) for start in new_heads)
+    if rope_refs is None:
+        k = plgpu.load(k_ref.at[b, k_head[:, None], cols], mask=col_ok, other=0.0)
+    else:
+        row_ok = jnp.full((1,), True)
+        k = rope_read.rotated_query_rows(k_ref, rope_refs, b, k_head, row_ok, cols, col_ok)
+    v = plgpu.load(v_ref.at[b, v_head[:, None], cols], mask=col_ok, other=0.0)
+    return k.astype(pool_dtype), v.astype(pool_dtype)
+
+
+def store_new_token(slot_ref, pool_refs, b, kvh, ok, k, v, cols, col_ok):
+    """Stores row b's new k, v `[1, Pd]` at its slot when `ok` and the slot is a place in
+    the pools (slot < 0: not stored)."""
+    k_pool, v_pool = pool_refs
+    num_pages, page_size = k_pool.shape[0], k_pool.shape[2]
+    slot = slot_ref[b]
+    ok = ok & (slot >= 0) & (slot < num_pages * page_size)
+    slot = jnp.where(ok, slot, 0)
+    at = (slot // page_size, kvh, slot % page_size, cols)
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        plgpu.store(pool.at[at], x, mask=ok & col_ok)
+
+
+def first_key(carry, ok, s, v):
+    """The softmax state `softmax_init` gave (`carry`) after one key when `ok`: base-2
+    logits s `[rows]`, value v `[1, Dp]` (m = s, l = 1, acc = v)."""
+    (acc,), m, l = carry
+    acc = jnp.where(ok, acc + v.astype(jnp.float32), acc)
+    return (acc,), jnp.where(ok, s, m), jnp.where(ok, 1.0, l)
 
 
 @functools.partial(jax.jit, static_argnames=("params", "config", "fmt", "out_dtype", "interpret"))
@@ -211,6 +277,7 @@ def paged_decode(
     cache_indirection=None,
     rope: rope_read.RopeTables | None = None,
     q_rope=None,
+    new_kv=None,
     params: DecodeParams,
     config: PagedDecodeConfig,
     fmt: CacheFormat = PLAIN,
@@ -234,14 +301,28 @@ def paged_decode(
       q_rope: None, or `(cos, sin, partner)` (`jaxattn.rope.token_rotations`: float32
         `[B, D]` twice, int32 `[D]`): q comes un-rotated and the kernel applies ordinary
         RoPE to it on load (the cache holds rotated keys). Not with `rope`.
+      new_kv: None, or `(k, v, slots)`: row b's new token (position `context_lens[b] - 1`),
+        k, v `[B, Hkv, D]` (k un-rotated when `q_rope` is given: rotated as q) and int32
+        slots `[B]` (`page * P + offset`; < 0 or past the pools: not stored). Or
+        `(None, None, slots)` with q the step's fused projection `[B, Hq + 2 * Hkv, D]`
+        (q heads, then k, then v heads), read in place (no copies of its slices). The kernel
+        attends to the token from these inputs, reads only the earlier tokens from the
+        pages, and stores it (cast to the pools' dtype). Plain caches only; not with
+        `rope` or `cache_indirection`, nor a cyclic cache (`params.ring`). The slot must be
+        the row's own, where its tables put that position (`KVCacheManager.slot_mapping`):
+        no other program reads it during the call.
       out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
         stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
 
     Returns:
-      out `[B, Hq, D]` in `out_dtype` and lse float32 `[B, Hq]`.
+      out `[B, Hq, D]` in `out_dtype` and lse float32 `[B, Hq]`; with `new_kv`, also the
+      pools with the new tokens stored (in place: donate them to the enclosing `jax.jit`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[1]
+    fused_qkv = new_kv is not None and new_kv[0] is None
+    if fused_qkv:  # q is the step's fused projection: q heads, then k, then v
+        num_q_heads -= 2 * num_kv_heads
     group = num_q_heads // num_kv_heads
     rows = max(_MIN_ROWS, next_power_of_2(group))
     splits = config.num_splits
@@ -268,11 +349,28 @@ def paged_decode(
             )
         cos, sin, partner = q_rope
         inputs += [cos.astype(jnp.float32), sin.astype(jnp.float32), partner.astype(jnp.int32)]
+    if new_kv is not None:
+        if fmt != PLAIN or rope is not None or cache_indirection is not None or params.ring:
+            raise ValueError(
+                "paged_decode: new_kv needs a plain cache, no rope on read, no "
+                f"cache_indirection and no cyclic cache ({fmt=}, ring={params.ring})"
+            )
+        k_new, v_new, slots = new_kv
+        new_heads = (0, 0)
+        if fused_qkv:
+            k_new = v_new = q
+            new_heads = (num_q_heads, num_q_heads + num_kv_heads)
+        elif k_new.shape != v_new.shape or k_new.shape != (batch, num_kv_heads, head_dim):
+            raise ValueError(
+                f"paged_decode: new_kv {k_new.shape=}, {v_new.shape=}: expected "
+                f"[B={batch}, Hkv={num_kv_heads}, D={head_dim}]"
+            )
+        inputs += [k_new, v_new, jnp.reshape(slots, (batch,)).astype(jnp.int32)]
     if quantize:
         inputs.append(inverse_scale(out_scale))
     if splits == 1:
         out_shape = [
-            jax.ShapeDtypeStruct(q.shape, out_dtype),
+            jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), out_dtype),
             jax.ShapeDtypeStruct((batch, num_q_heads), jnp.float32),
         ]
     else:
@@ -280,6 +378,10 @@ def paged_decode(
             jax.ShapeDtypeStruct((batch, num_q_heads, splits, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_q_heads, splits), jnp.float32),
         ]
+    aliases = None
+    if new_kv is not None:  # inputs 3 and 4 (the pools) come back updated
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pages, v_pages)]
+        aliases = {3: 2, 4: 3}
     kernel = functools.partial(
         _paged_decode_kernel,
         params=params,
@@ -288,6 +390,8 @@ def paged_decode(
         has_indirection=cache_indirection is not None,
         has_rope=rope is not None,
         has_q_rope=q_rope is not None,
+        has_new=new_kv is not None,
+        new_heads=new_heads if new_kv is not None else (0, 0),
         split_out=splits > 1,
         quantize=quantize,
         group=group,
@@ -297,7 +401,7 @@ def paged_decode(
         num_splits=splits,
         interpret=interpret,
     )
-    out, lse = whole_array_call(
+    out, lse, *pools = whole_array_call(
         kernel,
         inputs,
         out_shape,
@@ -306,9 +410,10 @@ def paged_decode(
         num_stages=config.num_stages,
         interpret=interpret,
         name="paged_decode",
+        aliases=aliases,
     )
     if splits > 1:
         out, lse = combine_splits(
             out, lse, dtype=out_dtype, out_scale=out_scale, interpret=interpret
         )
-    return out, lse
+    return (out, lse, *pools)
