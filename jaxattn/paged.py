@@ -139,8 +139,8 @@ def _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias):
 
 def paged_attention(
     q: Float[Array, "T Hq D"],
-    k: Float[Array, "T Hkv D"],
-    v: Float[Array, "T Hkv D"],
+    k: Float[Array, "T Hkv D"] | None,
+    v: Float[Array, "T Hkv D"] | None,
     cache: PagedKVCache,
     meta: AttentionMetadata,
     *,
@@ -162,8 +162,10 @@ def paged_attention(
 
     Args:
       q: `[T, Hq, D]`, the step's query tokens, packed as `meta.cu_seqlens_q` says, in the
-        cache's dtype (a quantized cache: any float dtype of 16 bits or more).
-      k, v: `[T, Hkv, D]`, the step's new keys and values (same dtype as q).
+        cache's dtype (a quantized cache: any float dtype of 16 bits or more). Or, with
+        k = v = None, the step's fused projection `[T, Hq + 2 * Hkv, D]` (q heads, then k,
+        then v heads; Hkv the cache's), which a decode-only plan's kernel reads in place.
+      k, v: `[T, Hkv, D]`, the step's new keys and values (same dtype as q), or None.
       cache: the `PagedKVCache` (plain or quantized) holding every row's cached prefix.
       meta: the step's `AttentionMetadata` (rows, lengths after the step, pages, positions,
         slots); build it once per step, pass it to every layer.
@@ -194,6 +196,9 @@ def paged_attention(
       tokens (and lse float32 with `return_lse`); the cache
       with the new tokens written (in place when the caller donates it to `jax.jit`).
     """
+    qkv = None
+    if k is None and v is None:
+        qkv, (q, k, v) = q, split_qkv(q, cache.num_kv_heads)
     options = _Options(
         window=None if window is None else int(window),
         sink_tokens=int(sink_tokens),
@@ -204,18 +209,27 @@ def paged_attention(
     streaming.check_rope_on_read(rope, rope_on_read)
     read_rope = rope if rope_on_read else None
     out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
-    # Ordinary RoPE: k before the write (fused into it); q rotated in XLA, or on load by the
-    # decode kernel when it runs alone (a decode-only plan).
+    # Ordinary RoPE: k before the write (fused into it); q rotated in XLA. A decode-only
+    # plan over a plain cache runs the decode kernel alone, which rotates q and k on load
+    # and writes k and v itself (`_fused_write`); over other caches it rotates q on load.
     rotate = rope is not None and not rope_on_read
-    if rotate:
-        k = apply_rope(k, meta.positions, rope)
-    new_cache, k_new, v_new = write_kv_stored(cache, k, v, meta.slot_mapping, q.dtype)
-    rotate_on_load = rotate and meta.decode_only and relative_bias is None
+    on_load = rotate and meta.decode_only and relative_bias is None
+    fused_write = _fused_write(cache, meta, relative_bias, rope_on_read)
+    result = lambda out, lse: (out, lse) if return_lse else out  # noqa: E731
 
     def run(impl):
         rotations = None
-        if impl == "pallas" and rotate_on_load:
+        if impl == "pallas" and on_load:
             rotations = token_rotations(meta.positions, rope, q.shape[-1])
+        if impl == "pallas" and fused_write:
+            new_kv = (k, v) if qkv is None else (None, None)
+            out, lse, new_cache = _pallas_fused_write(
+                q if qkv is None else qkv, new_kv, cache, meta, options, alibi_slopes, config,
+                out_dtype, out_scale, q_rotations=rotations,
+            )  # fmt: skip
+            return result(out, lse), new_cache
+        k_in = apply_rope(k, meta.positions, rope) if rotate else k
+        new_cache, k_new, v_new = write_kv_stored(cache, k_in, v, meta.slot_mapping, q.dtype)
         q_in = apply_rope(q, meta.positions, rope) if rotate and rotations is None else q
         if impl == "xla":
             out, lse = reference.paged_attention_reference(
@@ -254,9 +268,16 @@ def paged_attention(
                 read_rope=read_rope,
                 q_rotations=rotations,
             )
-        return (out, lse) if return_lse else out
+        return result(out, lse), new_cache
 
-    return run_first(implementation, run), new_cache
+    return run_first(implementation, run)
+
+
+def _fused_write(cache, meta, relative_bias, rope_on_read) -> bool:
+    """Whether the decode kernel writes the step's K/V itself: a decode-only plan (no T5
+    bias) over a plain, non-cyclic cache without rotation on read."""
+    plain = cache.quant is None and meta.ring is None and not rope_on_read
+    return meta.decode_only and relative_bias is None and plain
 
 
 def paged_attention_qkv(
@@ -270,18 +291,29 @@ def paged_attention_qkv(
 ):
     """`paged_attention` on a fused projection `qkv[T, (Hq + 2 * Hkv) * D]`: q is the
     first `Hq * D` columns, then k (`Hkv * D`), then v. Same options (`out_dtype` and
-    `out_scale` included) and results."""
+    `out_scale` included) and results; a decode-only plan's kernel reads q, k and v in
+    place (no copies of the slices)."""
     if qkv.ndim != 2 or qkv.shape[1] % (num_q_heads + 2 * num_kv_heads):
         raise ValueError(
             f"{qkv.shape=}: expected [T, (num_q_heads + 2 * num_kv_heads) * D] with "
             f"{num_q_heads=}, {num_kv_heads=}"
         )
+    if num_kv_heads != cache.num_kv_heads:
+        raise ValueError(f"{num_kv_heads=} but the cache has {cache.num_kv_heads} kv heads")
     head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
     qkv = qkv.reshape(qkv.shape[0], num_q_heads + 2 * num_kv_heads, head_dim)
-    q = qkv[:, :num_q_heads]
-    k = qkv[:, num_q_heads : num_q_heads + num_kv_heads]
-    v = qkv[:, num_q_heads + num_kv_heads :]
-    return paged_attention(q, k, v, cache, meta, **options)
+    return paged_attention(qkv, None, None, cache, meta, **options)
+
+
+def split_qkv(qkv: Float[Array, "T H D"], num_kv_heads: int):
+    """q `[T, Hq, D]`, k, v `[T, Hkv, D]` of a fused projection `[T, Hq + 2 * Hkv, D]`."""
+    heads = qkv.shape[1] - 2 * num_kv_heads if qkv.ndim == 3 else 0
+    if heads <= 0 or heads % num_kv_heads:
+        raise ValueError(
+            f"{qkv.shape=}: a fused projection [T, Hq + 2 * Hkv, D] with Hkv = "
+            f"{num_kv_heads} (the cache's) and Hq a multiple of it (k = v = None)"
+        )
+    return qkv[:, :heads], qkv[:, heads : heads + num_kv_heads], qkv[:, heads + num_kv_heads :]
 
 
 def _pallas(
@@ -381,45 +413,10 @@ def _pallas(
     )
     if relative_bias is not None:  # every row takes the flash kernel
         return _zero_padding(*context(q, k_new, v_new, batch), real, out_dtype)
-    decode_config = config.decode or PagedDecodeConfig.heuristic(
-        num_tokens if meta.decode_only else meta.max_seqs,
-        cache.num_kv_heads,
-        meta.max_pages * cache.page_size,
-        cache.page_size,
-        code=fmt.dtype,
-    )
-    if rope is not None and config.decode is None:
-        # The same float32 table tiles per stage: at most 64 keys, not pipelined
-        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
-        decode_config = dataclasses.replace(
-            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
-        )
-    decode = functools.partial(
-        paged_decode,
-        k_pages=cache.k_pages,
-        v_pages=cache.v_pages,
-        k_scales=cache.k_scales,
-        v_scales=cache.v_scales,
-        alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
-        params=DecodeParams(
-            window=options.window,
-            sink_tokens=options.sink_tokens,
-            soft_cap=options.soft_cap,
-            scale=options.scale,
-            ring=meta.ring,
-        ),
-        config=decode_config,
-        fmt=fmt,
-        interpret=interpret,
-        **quant_out,
-    )
+    decode = _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out,
+                            interpret, rope=rope)  # fmt: skip
     if meta.decode_only:
-        # Token t is the one new token of row rows[t]: the kernel's batch is the tokens
-        # themselves, q read and the output written in place (no row gathers around the
-        # kernel). Padding tokens get length 0: zeros and lse -inf from the kernel.
-        lens = jnp.where(real & decode_rows[rows], meta.context_lens[rows], 0)
-        out, lse = decode(q, block_tables=meta.block_tables[rows], context_lens=lens, rope=rope,
-                          q_rope=q_rotations)  # fmt: skip
+        out, lse = _decode_tokens(decode, q, meta, decode_rows, rope=rope, q_rope=q_rotations)
         return out, lse.T
     # Context rows: the flash kernel; generation rows: each row's one token, over the
     # cache after the write.
@@ -445,6 +442,74 @@ def _pallas(
     out = jnp.where(from_decode[:, None, None], out_d[rows], out_p)
     lse = jnp.where(from_decode[None, :], lse_d[rows].T, lse_p)
     return _zero_padding(out, lse, real, out_dtype)
+
+
+def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, interpret, rope):
+    """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
+    or the heuristic for the plan's rows (its tokens when decode-only)."""
+    decode_config = config.decode or PagedDecodeConfig.heuristic(
+        meta.slot_mapping.shape[0] if meta.decode_only else meta.max_seqs,
+        cache.num_kv_heads,
+        meta.max_pages * cache.page_size,
+        cache.page_size,
+        code=fmt.dtype,
+    )
+    if rope is not None and config.decode is None:
+        # The same float32 table tiles per stage: at most 64 keys, not pipelined
+        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
+        decode_config = dataclasses.replace(
+            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
+        )
+    return functools.partial(
+        paged_decode,
+        k_pages=cache.k_pages,
+        v_pages=cache.v_pages,
+        k_scales=cache.k_scales,
+        v_scales=cache.v_scales,
+        alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+        params=DecodeParams(
+            window=options.window,
+            sink_tokens=options.sink_tokens,
+            soft_cap=options.soft_cap,
+            scale=options.scale,
+            ring=meta.ring,
+        ),
+        config=decode_config,
+        fmt=fmt,
+        interpret=interpret,
+        **quant_out,
+    )
+
+
+def _decode_tokens(decode, q, meta, decode_rows, **kwargs):
+    """A decode-only plan: token t is the one new token of row rows[t], so the kernel's
+    batch is the tokens themselves, q read and the output written in place (no row
+    gathers around the kernel). Padding tokens get length 0: zeros and lse -inf."""
+    rows, real = meta.token_rows()
+    lens = jnp.where(real & decode_rows[rows], meta.context_lens[rows], 0)
+    return decode(q, block_tables=meta.block_tables[rows], context_lens=lens, **kwargs)
+
+
+def _pallas_fused_write(q, new_kv, cache, meta, options, alibi_slopes, config, out_dtype,
+                        out_scale, q_rotations):  # fmt: skip
+    """A decode-only step in one kernel: each token's k (rotated on load with q when
+    `q_rotations`) and v are attended from the inputs and stored at `meta.slot_mapping`
+    (padding tokens: slot -1, not stored) by `paged_decode(new_kv=...)`, in place.
+    new_kv: (k, v), or (None, None) with q the fused projection `[T, Hq + 2 * Hkv, D]`.
+    Returns (out `[T, Hq, D]`, lse `[Hq, T]`, the cache)."""
+    fp8 = out_dtype == validation.FP8_OUT
+    if fp8:
+        validation.check_fp8_kernel_output()
+    quant_out = dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
+    decode = _decode_kernel(cache, meta, options, alibi_slopes, config or PagedAttentionConfig(),
+                            cache_format(cache), quant_out, use_interpret(), rope=None)  # fmt: skip
+    decode_rows = meta.q_lens == 1
+    slots = meta.slot_mapping.astype(jnp.int32)
+    out, lse, k_pages, v_pages = _decode_tokens(
+        decode, q, meta, decode_rows, q_rope=q_rotations, new_kv=(*new_kv, slots)
+    )
+    new_cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+    return out, lse.T, new_cache
 
 
 def _gathered(context, q, k_new, v_new, batch, cache, meta, fmt, context_rows, num_rows,

@@ -226,8 +226,9 @@ def run_schedule(step, state, per_seq, pad):
         q_lens = [n for _, n in rows]
         ctx = [done[s] + n for s, n in rows]
         meta = jaxattn.AttentionMetadata.from_lists(
-            q_lens, ctx, [TABLES[s] for s, _ in rows], PAGE, **BUCKETS
-        )
+            q_lens, ctx, [TABLES[s] for s, _ in rows], PAGE, **BUCKETS,
+            decode_only=max(q_lens) == 1,  # the last two steps: the decode kernel alone
+        )  # fmt: skip
         live = np.concatenate([per_seq[s][done[s] : done[s] + n] for s, n in rows])
         x = np.full((BUCKETS["max_tokens"],) + live.shape[1:], pad, live.dtype)
         x[: len(live)] = live
@@ -240,9 +241,13 @@ def run_schedule(step, state, per_seq, pad):
 
 
 @impls
-def test_attention_serving_matches_full_mode(impl):
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["qk_norm", "fused_qkv"])
+def test_attention_serving_matches_full_mode(impl, fused_qkv):
+    """Serving over chunks and decode steps gives full mode's outputs; with fused_qkv
+    (no QK-norm) the op gets the projection whole."""
     serve = functools.partial(jaxattn.paged_attention, implementation=impl)
-    module = make_attention(seed=4, qk_norm=True, qkv_bias=True, paged_attention_fn=serve)
+    layout = dict(fused_qkv=True) if fused_qkv else dict(qk_norm=True)
+    module = make_attention(seed=4, qkv_bias=True, paged_attention_fn=serve, **layout)
     x, lengths = inputs(4, t=max(TOTAL), lengths=TOTAL)
     want = np.asarray(full(module, x, lengths))
 

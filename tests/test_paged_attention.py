@@ -571,18 +571,23 @@ def test_quantized_decode_only_rotates_q_on_load(dtype):
 # --------------------------------------------------------------- paged_attention_qkv
 @impls
 @dtypes
-def test_qkv_equals_split(dtype, impl):
-    opts = Opts("qkv", hkv=2, window=7, alibi=True)
-    rng = util.rng_for("qkv", dtype)
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode_only"])
+def test_qkv_equals_split(dtype, impl, decode_only):
+    """The fused projection gives the split call's results; a decode-only plan's kernel
+    reads it in place (q, k and v at their head offsets; k rotated on load)."""
+    rope = jaxattn.RoPE(theta=100.0, style="gptj") if decode_only else None
+    opts = Opts("qkv", hkv=2, window=7, alibi=True, rope=rope)
+    rng = util.rng_for("qkv", dtype, decode_only)
     impl_kw, oracle_kw = opts.kwargs(rng)
-    rows = MIXED
-    world = World(rng, [r.prefix + r.new for r in rows], hkv=2, dtype=dtype)
+    rows = GENERATION if decode_only else MIXED
+    world = World(rng, [r.prefix + r.new for r in rows], hkv=2, dtype=dtype, rope=rope)
     sizes = dict(max_tokens=40, max_seqs=len(rows) + 1)
     split = attention_fn(impl, opts, impl_kw)
     world.step([(s, 0, r.prefix) for s, r in enumerate(rows) if r.prefix], split,
                oracle_kw=oracle_kw, **sizes)  # fmt: skip
     call = [(s if r.prefix + r.new else None, r.prefix, r.new) for s, r in enumerate(rows)]
-    plan = world.plan([call[i] for i in rng.permutation(len(call))], **sizes)
+    plan = world.plan([call[i] for i in rng.permutation(len(call))], decode_only=decode_only,
+                      **sizes)  # fmt: skip
     fused = jax.jit(
         functools.partial(jaxattn.paged_attention_qkv, num_q_heads=HQ, num_kv_heads=2,
                           implementation=impl, config=None, **impl_kw)

@@ -211,7 +211,8 @@ def _meta_spec(num_tokens, num_seqs, max_pages, ring=None, decode_only=False):
 def test_paged_attention_lowers_to_triton(quant, options):
     """Both kernels of a serving step: the flash kernel reading a paged (quantized,
     possibly cyclic) prefix, and the decode kernel; with rope_on_read, both rotate on
-    read (StreamingLLM). A decode-only plan: the decode kernel alone, rotating q on load.
+    read (StreamingLLM). A decode-only plan: the decode kernel alone, rotating q on load
+    (and over a plain cache k, which it writes itself: no XLA scatter).
     History gather: the copy kernel (dequantizing) and the packed flash launch too."""
     options = dict(options)
     ring = options.pop("ring", None)
@@ -242,10 +243,28 @@ def test_paged_attention_lowers_to_triton(quant, options):
         arrays,
     )
     assert "triton" in text
+    if decode_only:  # the decode kernel alone; over a plain cache it writes k/v itself
+        assert text.count('name = "paged_decode"') == 1
+        assert ("stablehlo.scatter" in text) == (quant is not None)
     if "config" in options:  # the copy kernel, then the flash kernel's two launches
         # (A kernel's name appears in its source locations too: count the launches' names.)
         launches = {k: text.count(f'name = "{k}"') for k in ("history_gather", "flash_prefill")}
         assert launches == {"history_gather": 1, "flash_prefill": 2}, launches
+
+
+def test_decode_step_on_a_fused_projection_lowers_to_triton():
+    """`paged_attention_qkv` in a decode-only plan: one kernel reads q, k and v from the
+    projection at their head offsets, rotates q and k and writes k/v (no scatter)."""
+    fn = jax.jit(
+        lambda qkv, cache, meta: jaxattn.paged_attention_qkv(
+            qkv, cache, meta, num_q_heads=32, num_kv_heads=8, implementation="pallas",
+            rope=jaxattn.RoPE(theta=500000.0),
+        )
+    )  # fmt: skip
+    pages = _spec((64, 8, 16, 128))
+    text = _lower(fn, _spec((96, 48 * 128)), jaxattn.PagedKVCache(pages, pages),
+                  _meta_spec(96, 96, 8, decode_only=True))  # fmt: skip
+    assert text.count('name = "paged_decode"') == 1 and "stablehlo.scatter" not in text
 
 
 # FP8 output (out_dtype=float8_e4m3fn): the quantizing epilogues lower (Triton's RTNE

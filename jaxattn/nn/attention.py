@@ -49,7 +49,9 @@ class Attention(nnx.Module):
         holds un-rotated keys; `jaxattn.paged_attention`). Full mode has no cache: with a
         window it raises (the positions would differ from serving); without one it is
         plain RoPE.
-      fused_qkv: one qkv_proj kernel instead of three.
+      fused_qkv: one qkv_proj kernel instead of three. Serving mode (without QK-norm)
+        then passes the projection whole, as `paged_attention`'s fused form (q
+        `[T, Hq + 2*Hkv, D]`, k = v = None): a decode step's kernel reads it in place.
       qk_norm: RMSNorm of each head's q and k over D before RoPE (Qwen3).
       norm_eps: epsilon of the QK-norm.
       qkv_bias, out_bias: biases on the q/k/v (or fused) and output projections.
@@ -58,7 +60,7 @@ class Attention(nnx.Module):
       attention_fn: full-mode op with `jaxattn.attention`'s signature (e.g.
         `functools.partial(jaxattn.attention, implementation="xla")`).
       paged_attention_fn: serving op with `jaxattn.paged_attention`'s signature (e.g. with
-        `implementation=` or `config=` bound).
+        `implementation=` or `config=` bound), its fused form included.
       dtype: computation dtype (None: that of x and the params, promoted); param_dtype: the
         parameters'.
       rngs: `nnx.Rngs` for the initializers.
@@ -184,8 +186,12 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(*x.shape[:2], -1))
 
     def _serve(self, x, cache, meta):
-        q, k, v = self.project_qkv(x)
         on_read = dict(rope_on_read=True) if self.rope_on_read else {}
+        if self.fused_qkv and self.q_norm is None:  # the op reads the projection in place
+            heads = self.num_q_heads + 2 * self.num_kv_heads
+            q, k, v = self.qkv_proj(x).reshape(x.shape[0], heads, self.head_dim), None, None
+        else:
+            q, k, v = self.project_qkv(x)
         out, cache = self.paged_attention_fn(
             q, k, v, cache, meta, rope=self.rope, **on_read, **self.options
         )  # [T, Hq, D]
