@@ -4,10 +4,12 @@ Four decoder layers of Llama-3-8B (d_model 4096, GQA 32/8, head_dim 128, MLP 143
 vocabulary 32000), bf16 weights and caches, 64 sequences at context 2048, one new token
 each. One `jaxattn.models.Llama` holds the weights; the implementations differ only in the
 attention op and the cache it reads, injected through `paged_attention_fn`, so the
-projections, MLPs, norms and head are the same XLA matmuls on the same weights:
+projections (one fused qkv_proj per layer, which XLA makes of three anyway), MLPs, norms
+and head are the same XLA matmuls on the same weights:
 
 - ours: paged caches (page 16, pages scattered at random), `jaxattn.paged_attention`
-  (pallas): RoPE, cache write and the paged decode kernel.
+  (pallas) on the fused projection: one kernel per layer reads q, k and v in place,
+  rotates q and k, writes k and v into the pages and attends.
 - cudnn: contiguous caches `[B, max_len, Hkv, D]`; RoPE, the new token written with
   `dynamic_update_slice` per sequence, then `jax.nn.dot_product_attention` (cuDNN) with
   `key_value_seq_lengths`.
@@ -103,10 +105,14 @@ class ContiguousCache:
 
 def contiguous_attention(q, k, v, cache, meta, *, rope, implementation, scale=None, **options):
     """A decode step over a `ContiguousCache`, with `jaxattn.paged_attention`'s signature:
-    q `[B, Hq, D]`, k, v `[B, Hkv, D]`: token b is sequence b's one new token, at
-    `meta.positions[b]`. Returns (out `[B, Hq, D]`, the cache with the token written)."""
+    q `[B, Hq, D]`, k, v `[B, Hkv, D]` (or the fused form: q `[B, Hq + 2 * Hkv, D]`,
+    k = v = None): token b is sequence b's one new token, at `meta.positions[b]`. Returns
+    (out `[B, Hq, D]`, the cache with the token written)."""
+    from jaxattn.paged import split_qkv
     from jaxattn.rope import apply_rope
 
+    if k is None and v is None:
+        q, k, v = split_qkv(q, cache.k.shape[2])
     if any(options.get(name) for name in ("window", "sink_tokens", "soft_cap")):
         raise NotImplementedError(f"contiguous_attention: {options=}")
     positions = meta.positions  # [B]
@@ -136,7 +142,7 @@ def _models(shape: Shape):
         "cudnn": functools.partial(contiguous_attention, implementation="cudnn"),
         "xla": functools.partial(contiguous_attention, implementation="xla"),
     }
-    types = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    types = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, fused_qkv=True)
     base = Llama(config, **types, paged_attention_fn=ops["ours"], rngs=nnx.Rngs(0))
     models = {"ours": base}
     for name in ("cudnn", "xla"):
@@ -207,7 +213,9 @@ def _float32_reference(shape: Shape, model, contiguous, tokens, meta):
     op = functools.partial(contiguous_attention, implementation="xla")
     config = shape.llama_config()
     f32 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
-    model32 = nnx.eval_shape(lambda: Llama(config, paged_attention_fn=op, rngs=nnx.Rngs(0)))
+    model32 = nnx.eval_shape(
+        lambda: Llama(config, fused_qkv=True, paged_attention_fn=op, rngs=nnx.Rngs(0))
+    )
     nnx.update(model32, f32(nnx.state(model)))
     with jax.default_matmul_precision("highest"):
         return _one_step(model32, f32(contiguous), tokens, meta)
