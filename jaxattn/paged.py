@@ -337,10 +337,7 @@ def _pallas(
     An FP8 output is quantized by each kernel's epilogue; the merge below only selects.
     `q_rotations` (`jaxattn.rope.TokenRotations`, decode-only plans): q comes un-rotated,
     and the decode kernel rotates it on load."""
-    fp8 = out_dtype == validation.FP8_OUT
-    if fp8:
-        validation.check_fp8_kernel_output()
-    quant_out = dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
+    quant_out = _kernel_output(out_dtype, out_scale)
     config = config or PagedAttentionConfig()
     num_tokens, _, head_dim = q.shape
     fmt = cache_format(cache)
@@ -444,6 +441,15 @@ def _pallas(
     return _zero_padding(out, lse, real, out_dtype)
 
 
+def _kernel_output(out_dtype, out_scale) -> dict:
+    """The kernels' `out_dtype`/`out_scale` arguments: FP8 output quantized in their
+    epilogues (where the GPU can), else None (q's dtype)."""
+    fp8 = out_dtype == validation.FP8_OUT
+    if fp8:
+        validation.check_fp8_kernel_output()
+    return dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
+
+
 def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, interpret, rope):
     """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
     or the heuristic for the plan's rows (its tokens when decode-only)."""
@@ -497,10 +503,7 @@ def _pallas_fused_write(q, new_kv, cache, meta, options, alibi_slopes, config, o
     (padding tokens: slot -1, not stored) by `paged_decode(new_kv=...)`, in place.
     new_kv: (k, v), or (None, None) with q the fused projection `[T, Hq + 2 * Hkv, D]`.
     Returns (out `[T, Hq, D]`, lse `[Hq, T]`, the cache)."""
-    fp8 = out_dtype == validation.FP8_OUT
-    if fp8:
-        validation.check_fp8_kernel_output()
-    quant_out = dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
+    quant_out = _kernel_output(out_dtype, out_scale)
     decode = _decode_kernel(cache, meta, options, alibi_slopes, config or PagedAttentionConfig(),
                             cache_format(cache), quant_out, use_interpret(), rope=None)  # fmt: skip
     decode_rows = meta.q_lens == 1

@@ -213,23 +213,25 @@ def test_paged_decode_fp8_vs_oracle(impl, splits):
 # ---------------------------------------------------------------------- paged attention
 HQ, HKV, P = 4, 2, 4
 MIXED = ((0, 7), (8, 5), (20, 1), (4, 1), (0, 0))  # (cached prefix, new tokens) per row
+GENERATION = ((20, 1), (4, 1), (0, 0), (0, 1))  # a decode-only step
 
 
-def _mixed_step(seed=0):
-    """A serving step over a NaN-poisoned cache holding each row's prefix: a prompt, a
-    chunk after 8 cached tokens, two generation rows (over two key blocks of 16 and one),
-    an idle row, and padding tokens. Returns (q, k, v, cache, meta, histories, real)."""
+def _mixed_step(seed=0, rows=MIXED, decode_only=False):
+    """A serving step over a NaN-poisoned cache holding each row's prefix: by default a
+    prompt, a chunk after 8 cached tokens, two generation rows (over two key blocks of 16
+    and one), an idle row, and padding tokens. Returns (q, k, v, cache, meta, histories,
+    real)."""
     rng = util.rng_for("fp8_paged", seed)
     d = util.DEFAULT_HEAD_DIM
-    lengths = [a + n for a, n in MIXED]
+    lengths = [a + n for a, n in rows]
     held = [-(-n // P) for n in lengths]
     num_pages = sum(held) + 3
     perm = rng.permutation(num_pages).tolist()
-    pages = [perm[sum(held[:s]) : sum(held[: s + 1])] for s in range(len(MIXED))]
+    pages = [perm[sum(held[:s]) : sum(held[: s + 1])] for s in range(len(rows))]
     hist = [[rng.standard_normal((n, h, d)) for h in (HQ, HKV, HKV)] for n in lengths]
     cache = jaxattn.PagedKVCache(*(jnp.full((num_pages, HKV, P, d), np.nan) for _ in "kv"))
     slot = lambda s, t: pages[s][t // P] * P + t % P  # noqa: E731
-    prefix = [(s, t) for s, (a, _) in enumerate(MIXED) for t in range(a)]
+    prefix = [(s, t) for s, (a, _) in enumerate(rows) for t in range(a)]
     cache = jaxattn.write_kv(
         cache,
         *(jnp.asarray(np.stack([hist[s][i][t] for s, t in prefix]), jnp.float32) for i in (1, 2)),
@@ -237,16 +239,16 @@ def _mixed_step(seed=0):
     )
     max_tokens = 24
     meta = jaxattn.AttentionMetadata.from_lists(
-        [n for _, n in MIXED], lengths, pages, P, max_tokens=max_tokens,
-        max_seqs=len(MIXED) + 1, max_pages=max(held) + 1,
+        [n for _, n in rows], lengths, pages, P, max_tokens=max_tokens,
+        max_seqs=len(rows) + 1, max_pages=max(held) + 1, decode_only=decode_only,
     )  # fmt: skip
-    new = [(s, t) for s, (a, n) in enumerate(MIXED) for t in range(a, a + n)]
+    new = [(s, t) for s, (a, n) in enumerate(rows) for t in range(a, a + n)]
     qkv = []
     for i, h in enumerate((HQ, HKV, HKV)):
         x = np.full((max_tokens, h, d), np.nan)
         x[: len(new)] = [hist[s][i][t] for s, t in new]
         qkv.append(jnp.asarray(x, jnp.float32))
-    histories = [(k, v) if n else None for (_, k, v), (_, n) in zip(hist, MIXED)]
+    histories = [(k, v) if n else None for (_, k, v), (_, n) in zip(hist, rows)]
     real = np.arange(max_tokens) < len(new)
     return (*qkv, cache, meta, histories, real)
 
@@ -282,6 +284,31 @@ def test_paged_attention_fp8_mixed_batch(impl, window):
         assert_fp8_close(out, want, out_scale, what=f"paged {name}")
         util.assert_zero_rows(out, ~real[:, None, None], f"paged {name}: padding tokens")
         util.assert_lse_close(lse, want_lse, "float32")
+
+
+@impls
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_attention_fp8_decode_only(impl, splits):
+    """A decode-only plan: the one kernel writes K/V and stores fp8 itself (one split) or
+    through the combine kernel (two)."""
+    skip_without_fp8_kernels(impl)
+    q, k, v, cache, meta, histories, real = _mixed_step(1, GENERATION, decode_only=True)
+    q_clean = np.where(real[:, None, None], util.f64(q), 0.0)
+    want, _ = step_oracle(q_clean, meta.cu_seqlens_q, meta.context_lens, histories)
+    config = None
+    if impl == "pallas":
+        decode = jaxattn.PagedDecodeConfig(block_kv=16, num_splits=splits)
+        config = jaxattn.PagedAttentionConfig(decode=decode)
+    fn = jax.jit(
+        lambda q, k, v, cache, meta, s: jaxattn.paged_attention(
+            q, k, v, cache, meta, implementation=impl, config=config, out_dtype=FP8,
+            out_scale=s,
+        )
+    )  # fmt: skip
+    for name, out_scale in SCALES.items():
+        out, _ = fn(q, k, v, cache, meta, jnp.float32(out_scale))
+        assert_fp8_close(out, want, out_scale, what=f"decode-only {name}")
+        util.assert_zero_rows(out, ~real[:, None, None], f"decode-only {name}: padding")
 
 
 def test_paged_attention_qkv_passes_fp8_options():
