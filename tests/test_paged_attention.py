@@ -905,11 +905,16 @@ def _bad_call(q=(8, HQ), k=(8, 2), quant=None, cache_dtype=F32, scales=None, **o
     return lambda: jax.eval_shape(call, q, k, k, cache, meta)
 
 
-def _bad_qkv():
+def _bad_qkv(width=(HQ + 4) * D - 1, num_kv_heads=2, fused_heads=None):
+    """paged_attention_qkv on a `[8, width]` projection; or, with `fused_heads`, the fused
+    form `paged_attention(qkv[8, fused_heads, D], None, None, ...)`."""
     cache = jaxattn.PagedKVCache.create(8, P, 2, D, dtype=F32)
     meta = jaxattn.AttentionMetadata.from_lists(**BAD_META, max_tokens=8, max_seqs=2, max_pages=2)
-    call = functools.partial(jaxattn.paged_attention_qkv, num_q_heads=HQ, num_kv_heads=2)
-    return lambda: jax.eval_shape(call, SDS((8, (HQ + 4) * D - 1), F32), cache, meta)
+    if fused_heads is not None:
+        call = functools.partial(jaxattn.paged_attention, implementation="xla")
+        return lambda: jax.eval_shape(call, SDS((8, fused_heads, D), F32), None, None, cache, meta)
+    call = functools.partial(jaxattn.paged_attention_qkv, num_q_heads=HQ, num_kv_heads=num_kv_heads)
+    return lambda: jax.eval_shape(call, SDS((8, width), F32), cache, meta)
 
 
 GROUP, TENSOR = jaxattn.KVQuant("int8", "group"), jaxattn.KVQuant("int8")
@@ -935,6 +940,12 @@ BAD = {
         "k_scales",
     ),
     "qkv width": (_bad_qkv, rf"qkv\.shape=\(8, {(HQ + 4) * D - 1}\)"),
+    "qkv kv heads != cache heads": (
+        lambda: _bad_qkv(width=(HQ + 2) * D, num_kv_heads=1),
+        "num_kv_heads=1 but the cache has 2",
+    ),
+    "fused form: too few heads": (lambda: _bad_qkv(fused_heads=4), r"qkv\.shape=\(8, 4,"),
+    "fused form: q heads not a multiple": (lambda: _bad_qkv(fused_heads=7), r"Hq a multiple of it"),
 }
 
 

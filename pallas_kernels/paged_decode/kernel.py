@@ -197,7 +197,7 @@ def _paged_decode_kernel(
     if has_new:
         # Split 0 stores the new token and attends to it first: the softmax state starts
         # from it, so nothing of it stays live through the loops (holding its logits and
-        # value through them, or q for them after, ran B64 ctx2048 14% slower).
+        # value through them, or q for them after, ran B64 ctx2048 15-17% slower).
         new_ok = (split == 0) & (ctx > 0)
         k_new, v_new = new_token(new_refs, new_heads, q_rope_refs, pool_refs[0].dtype, b, kvh,
                                  dims[None, :], dim_ok)  # fmt: skip
@@ -323,6 +323,11 @@ def paged_decode(
     fused_qkv = new_kv is not None and new_kv[0] is None
     if fused_qkv:  # q is the step's fused projection: q heads, then k, then v
         num_q_heads -= 2 * num_kv_heads
+    if num_q_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"paged_decode: {q.shape=} with {num_kv_heads} kv heads: expected [B, Hq, D] "
+            "(or [B, Hq + 2 * Hkv, D] with new_kv=(None, None, slots)), Hq a multiple of Hkv"
+        )
     group = num_q_heads // num_kv_heads
     rows = max(_MIN_ROWS, next_power_of_2(group))
     splits = config.num_splits
@@ -349,6 +354,7 @@ def paged_decode(
             )
         cos, sin, partner = q_rope
         inputs += [cos.astype(jnp.float32), sin.astype(jnp.float32), partner.astype(jnp.int32)]
+    new_heads = (0, 0)  # where the kv heads start in the arrays of new k and v
     if new_kv is not None:
         if fmt != PLAIN or rope is not None or cache_indirection is not None or params.ring:
             raise ValueError(
@@ -356,7 +362,6 @@ def paged_decode(
                 f"cache_indirection and no cyclic cache ({fmt=}, ring={params.ring})"
             )
         k_new, v_new, slots = new_kv
-        new_heads = (0, 0)
         if fused_qkv:
             k_new = v_new = q
             new_heads = (num_q_heads, num_q_heads + num_kv_heads)
@@ -391,7 +396,7 @@ def paged_decode(
         has_rope=rope is not None,
         has_q_rope=q_rope is not None,
         has_new=new_kv is not None,
-        new_heads=new_heads if new_kv is not None else (0, 0),
+        new_heads=new_heads,
         split_out=splits > 1,
         quantize=quantize,
         group=group,
