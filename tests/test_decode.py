@@ -223,11 +223,6 @@ def test_combine_splits_vs_numpy():
     assert np.all(np.asarray(out)[1, 2] == 0) and np.asarray(lse)[1, 2] == -np.inf
 
 
-def _bits(x) -> np.ndarray:
-    x = np.ascontiguousarray(np.asarray(x))
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 WRITE_CASES = [
     Case("gqa4", lengths=(1, 8, 9, 48, 0)),
     Case("window_sinks_alibi_softcap", lengths=(30, 48, 4, 2), window=9, sink_tokens=3,
@@ -299,7 +294,7 @@ def test_kernel_writes_the_new_token(case, splits, rope):
         rows_before, rows_after = (np.asarray(x).transpose(0, 2, 1, 3).reshape(-1, hkv, d)
                                    for x in (before, after))  # fmt: skip
         others = np.setdiff1d(np.arange(num_pages * page), written)
-        np.testing.assert_array_equal(_bits(rows_after[others]), _bits(rows_before[others]),
+        np.testing.assert_array_equal(util.bits(rows_after[others]), util.bits(rows_before[others]),
                                       f"{name}: a slot not written changed")  # fmt: skip
         tol = 1e-5 if name == "k" and rope is not None else 0.0  # float32 rotation
         for b in np.flatnonzero(np.isin(stored, written)):

@@ -51,16 +51,10 @@ TENSOR_RANGE = 4.0
 
 
 # ----------------------------------------------------------------------------- helpers
-def bits(x) -> np.ndarray:
-    """Raw bits of an array (bit-exact comparisons, NaN and fp8 included)."""
-    x = np.ascontiguousarray(np.asarray(x))
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 def assert_codes_equal(got, want, quant, msg):
     """Stored codes equal. On a GPU, XLA's fused `x * (1 / scale)` may round a value at a
     tie the other way: there codes may differ by one step (same sign), in <= 1% of them."""
-    got, want = bits(got), bits(want)
+    got, want = util.bits(got), util.bits(want)
     if not util.ON_GPU:
         np.testing.assert_array_equal(got, want, msg)
         return
@@ -281,7 +275,7 @@ class World:
         if self.quant is not None and self.quant.granularity == "group":
             names += ["k_scales", "v_scales"]
         for name in names:
-            b, a = (bits(slot_rows(getattr(c, name))) for c in (before, after))
+            b, a = (util.bits(slot_rows(getattr(c, name))) for c in (before, after))
             np.testing.assert_array_equal(
                 a[others], b[others], f"{what} {name}: a slot the step does not own changed"
             )
@@ -564,7 +558,7 @@ def test_quantized_decode_only_rotates_q_on_load(dtype):
     util.assert_zero_rows(got, ~real[:, None, None], "padding tokens")
     for name in ("k_pages", "v_pages", "k_scales", "v_scales"):
         np.testing.assert_array_equal(
-            bits(getattr(got_cache, name)), bits(getattr(want_cache, name))
+            util.bits(getattr(got_cache, name)), util.bits(getattr(want_cache, name))
         )
 
 
@@ -600,7 +594,7 @@ def test_qkv_equals_split(dtype, impl, decode_only):
     np.testing.assert_allclose(util.f64(out_fused), util.f64(out_split), **SAME_TOL[dtype])
     for name in ("k_pages", "v_pages"):
         np.testing.assert_array_equal(
-            bits(getattr(cache_fused, name)), bits(getattr(cache_split, name)), name
+            util.bits(getattr(cache_fused, name)), util.bits(getattr(cache_split, name)), name
         )
     world.check(plan, (out_fused, cache_fused), oracle_kw=oracle_kw, what="qkv")
 

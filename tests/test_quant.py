@@ -91,12 +91,6 @@ def write_then_decode(cache, k, v, slots, q, tables, lengths):
     return cache, paged_decode_reference(q, cache, tables, lengths)
 
 
-def bits(x) -> np.ndarray:
-    """Raw bytes of an array (bit-exact comparisons of fp8 / bf16 included)."""
-    x = np.ascontiguousarray(np.asarray(x))
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 def spread_normal(rng, shape) -> np.ndarray:
     """Normal values whose rows span four decades of magnitude (exercises every binade)."""
     rows = 10.0 ** rng.uniform(-2, 2, size=shape[:-1] + (1,))
@@ -144,10 +138,10 @@ def test_quantize_matches_oracle(quant, in_dtype):
     assert stored.dtype == quant.storage_dtype
     assert stored.shape == (6, HKV, quant.packed_dim(D))
     values = quantize_np(x32, want_scale, quant)
-    np.testing.assert_array_equal(bits(stored), bits(to_storage_np(values, quant)))
+    np.testing.assert_array_equal(util.bits(stored), util.bits(to_storage_np(values, quant)))
     np.testing.assert_array_equal(np.asarray(got), dequantize_np(values, want_scale, quant))
     assert got_bf16.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(bits(got_bf16), bits(got.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(util.bits(got_bf16), util.bits(got.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -351,17 +345,18 @@ def test_write_and_gather_match_oracle(quant):
     want = expected_write(before, k, v, slots)
     names = ("k_pages", "v_pages", "k_scales", "v_scales")
     for name, w in zip(names, want):
-        np.testing.assert_array_equal(bits(getattr(after, name)), bits(w), err_msg=name)
+        np.testing.assert_array_equal(util.bits(getattr(after, name)), util.bits(w), err_msg=name)
     untouched = sorted(set(range(N)) - set(slots[slots >= 0] // P))
     for name in names if quant.granularity == "group" else names[:2]:
         a, b = np.asarray(getattr(after, name)), np.asarray(getattr(before, name))
-        np.testing.assert_array_equal(bits(a[untouched]), bits(b[untouched]), err_msg=name)
+        untouched_bits = (util.bits(x[untouched]) for x in (a, b))
+        np.testing.assert_array_equal(*untouched_bits, err_msg=name)
 
     assert k_out.dtype == jnp.float32 and k_out.shape == (2, max_len, HKV, D)
     for got, pages, scales in ((k_out, want[0], want[2]), (v_out, want[1], want[3])):
         deq = gather_np(pages, scales, quant, tables, lengths, max_len)
         np.testing.assert_array_equal(np.asarray(got), deq)
-    np.testing.assert_array_equal(bits(k_bf16), bits(k_out.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(util.bits(k_bf16), util.bits(k_out.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("quant", [QUANTS[3], QUANTS[-1]], ids=qid)
@@ -376,7 +371,7 @@ def test_donated_quantized_write_is_in_place_and_equal(quant):
     want = WRITE(cache, k, v, slots)
     got = jax.jit(write_kv, donate_argnums=0)(cache, k, v, slots)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(bits(a), bits(b))
+        np.testing.assert_array_equal(util.bits(a), util.bits(b))
     if not cache.k_pages.is_deleted():
         pytest.skip(f"backend {jax.default_backend()} does not implement buffer donation")
     assert cache.v_pages.is_deleted()
@@ -400,7 +395,7 @@ def test_create_layout(quant):
     leaves, treedef = jax.tree.flatten(cache)
     assert jax.tree.unflatten(treedef, leaves).quant == quant
     assert jax.jit(lambda c: c)(cache).quant == quant
-    assert not bits(cache.k_pages).any() and not bits(cache.v_pages).any()  # zeros
+    assert not util.bits(cache.k_pages).any() and not util.bits(cache.v_pages).any()  # zeros
     if quant.granularity == "group":
         assert (np.asarray(cache.v_scales, np.float32) == 1).all()
 

@@ -121,6 +121,12 @@ def assert_zero_rows(out, rows_mask, what: str):
     )
 
 
+def bits(x) -> np.ndarray:
+    """Raw bits of an array as unsigned ints: bit-exact comparisons (NaN, bf16, fp8)."""
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
 def poison_value(dtype: str, kind: str) -> float:
     """What padding inputs are filled with: NaN, or a finite value of huge magnitude."""
     if kind == "nan":
