@@ -454,7 +454,7 @@ def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, i
     """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
     or the heuristic for the plan's rows (its tokens when decode-only)."""
     decode_config = config.decode or PagedDecodeConfig.heuristic(
-        meta.slot_mapping.shape[0] if meta.decode_only else meta.max_seqs,
+        meta.max_tokens if meta.decode_only else meta.max_seqs,
         cache.num_kv_heads,
         meta.max_pages * cache.page_size,
         cache.page_size,
@@ -506,10 +506,8 @@ def _pallas_fused_write(q, new_kv, cache, meta, options, alibi_slopes, config, o
     quant_out = _kernel_output(out_dtype, out_scale)
     decode = _decode_kernel(cache, meta, options, alibi_slopes, config or PagedAttentionConfig(),
                             cache_format(cache), quant_out, use_interpret(), rope=None)  # fmt: skip
-    decode_rows = meta.q_lens == 1
-    slots = meta.slot_mapping.astype(jnp.int32)
     out, lse, k_pages, v_pages = _decode_tokens(
-        decode, q, meta, decode_rows, q_rope=q_rotations, new_kv=(*new_kv, slots)
+        decode, q, meta, meta.q_lens == 1, q_rope=q_rotations, new_kv=(*new_kv, meta.slot_mapping)
     )
     new_cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
     return out, lse.T, new_cache
