@@ -28,7 +28,6 @@ from test_paged_attention import (
     SAME_TOL,
     Row,
     World,
-    bits,
     check_out,
     gather,
     qid,
@@ -308,7 +307,7 @@ def test_cyclic_cache_many_windows(impl):
         slots = np.asarray(slots)
         ok_slots = slots >= 0
         got = slot_rows(cache.k_pages)[slots[ok_slots]]
-        np.testing.assert_array_equal(bits(got), bits(jnp.asarray(k[ok_slots], DTYPE)),
+        np.testing.assert_array_equal(util.bits(got), util.bits(jnp.asarray(k[ok_slots], DTYPE)),
                                       f"step {i}: the cache must hold un-rotated keys")  # fmt: skip
         done = new
     assert done == lengths and lengths[0] > 6 * window
