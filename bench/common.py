@@ -7,7 +7,9 @@ on one stream), then take the median over measurements; calls under 250 us run c
 over their input sets in one jitted program, so that host dispatch does not hide the
 device time;
 rotate input sets so the L2 cache cannot serve repeated runs; report rates against
-ceilings measured in the same process.
+ceilings measured in the same process. The implementations of one row are measured in
+turn (`interleave`: one measurement of each per round), so that a drift of the clocks
+during the row lands on all of them rather than on whichever ran last.
 """
 
 from __future__ import annotations
@@ -112,8 +114,26 @@ def chain(fn: Callable) -> Callable:
     return jax.jit(lambda sets: [fn(*args) for args in sets])
 
 
+Measure = Callable[[], float]  # one measurement: seconds per call
+
+
+def interleave(measures: Sequence[Measure], reps: int) -> list[Timing]:
+    """`reps` rounds of one measurement of each; the median and extremes of each."""
+    samples = [[] for _ in measures]
+    for _ in range(reps):
+        for measure, taken in zip(measures, samples, strict=True):
+            taken.append(measure())
+    return [Timing(statistics.median(x), min(x), max(x)) for x in samples]
+
+
 def time_op(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int, reps: int) -> Timing:
-    """Times jitted `fn` over argument tuples taken in rotation; the warm-up compiles.
+    """Times jitted `fn` over argument tuples taken in rotation (`op_measure`)."""
+    return interleave([op_measure(fn, arg_sets, warmup=warmup)], reps)[0]
+
+
+def op_measure(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int) -> Measure:
+    """Warms jitted `fn` up (compiling it) and returns its measurement: enough calls over
+    the argument tuples, taken in rotation, to last MIN_MEASUREMENT_S.
 
     Calls shorter than CHAIN_BELOW_S with several input sets are timed as `chain`s over
     all the sets (each measurement divided by their number).
@@ -130,18 +150,25 @@ def time_op(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int, reps: int) 
         _run_calls(fn, arg_sets, 1)
         per_call = time.perf_counter() - start
     calls = max(len(arg_sets), math.ceil(MIN_MEASUREMENT_S / per_call))
-    samples = []
-    for _ in range(reps):
+
+    def measure() -> float:
         start = time.perf_counter()
         _run_calls(fn, arg_sets, calls)
-        samples.append((time.perf_counter() - start) / calls / scale)
-    return Timing(statistics.median(samples), min(samples), max(samples))
+        return (time.perf_counter() - start) / calls / scale
+
+    return measure
 
 
 def time_carried(step: Callable, carry, args: tuple, settings: Settings, steps: int) -> Timing:
-    """Seconds per call of `step(carry, *args) -> (carry, y)` for calls that update state
-    (a KV cache): `steps` calls run in one jitted loop that carries `carry`, donated so it
-    is updated in place as in a serving loop; a scalar of each `y` is kept alive."""
+    """Seconds per call of `step` (`carried_measure`), `settings.reps` measurements."""
+    return interleave([carried_measure(step, carry, args, settings, steps)], settings.reps)[0]
+
+
+def carried_measure(step: Callable, carry, args: tuple, settings: Settings, steps: int) -> Measure:
+    """The measurement of `step(carry, *args) -> (carry, y)`, a call that updates state (a
+    KV cache): `steps` calls run in one jitted loop that carries `carry`, donated so it is
+    updated in place as in a serving loop; a scalar of each `y` is kept alive. Warms up
+    (compiles) first; the measurement runs enough loops to last MIN_MEASUREMENT_S."""
 
     def loop(carry, *args):
         def body(_, loop_carry):
@@ -159,14 +186,16 @@ def time_carried(step: Callable, carry, args: tuple, settings: Settings, steps: 
     start = time.perf_counter()
     carry, acc = jax.block_until_ready(run(carry, *args))
     calls = max(1, math.ceil(MIN_MEASUREMENT_S / (time.perf_counter() - start)))
-    samples = []
-    for _ in range(settings.reps):
+
+    def measure() -> float:
+        nonlocal carry, acc
         start = time.perf_counter()
         for _ in range(calls):
             carry, acc = run(carry, *args)
         jax.block_until_ready(acc)
-        samples.append((time.perf_counter() - start) / calls / steps)
-    return Timing(statistics.median(samples), min(samples), max(samples))
+        return (time.perf_counter() - start) / calls / steps
+
+    return measure
 
 
 def num_input_sets(bytes_per_set: int) -> int:
@@ -231,54 +260,67 @@ def progress(row: Row) -> Row:
     return row
 
 
-def bench_impl(
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One implementation of a row: `fn` called on `arg_sets`; `on_error` is the status of
+    its row when the call raises ("FAILED", "error" or "skipped")."""
+
+    impl: str
+    fn: Callable
+    arg_sets: Sequence[tuple]
+    on_error: str = "skipped"
+    notes: str = ""
+    sweep: bool = False  # a config variant, not the default choice
+
+
+def bench_row(
     settings: Settings,
+    entries: Sequence[Entry],
     *,
     set_name: str,
     shape: str,
-    impl: str,
-    fn: Callable,
-    arg_sets: Sequence[tuple],
     ref: jax.Array | None,
     tol: float,
     work: float,
     unit: str = "TFLOP/s",
-    on_error: str = "skipped",
-    notes: str = "",
-    sweep: bool = False,
-) -> Row:
-    """Checks `fn(*arg_sets[0])` against `ref`, then times `fn` over all `arg_sets`.
+) -> list[Row]:
+    """Checks each entry's `fn(*arg_sets[0])` against `ref`, then times the entries that
+    passed, interleaved (`interleave`); one row per entry, in their order.
 
-    `work` is FLOPs (unit "TFLOP/s") or bytes (unit "TB/s") per call; `on_error` is the
-    status of a row whose call raises ("FAILED", "error" or "skipped"). A row whose output
-    is wrong is FAILED and not timed. With no reference (too large), the row is timed and
-    its notes say "unchecked".
+    `work` is FLOPs (unit "TFLOP/s") or bytes (unit "TB/s") per call. A row whose output
+    is wrong is FAILED and not timed. With no reference (too large), the rows are timed
+    and their notes say "unchecked".
     """
-    row = Row(set_name, shape, impl, status="ok", unit=unit, notes=notes, sweep=sweep)
-    try:
-        out = jax.block_until_ready(fn(*arg_sets[0]))
-    except Exception as e:  # A peer missing here, or a config that does not compile.
-        return progress(
-            dataclasses.replace(row, status=on_error, notes=join_notes(notes, describe_error(e)))
-        )
-    if ref is None:
-        check = "unchecked: reference too large"
-    else:
-        passed, check = check_close(out, ref, f"{impl} {shape}", tol)
-        if not passed:
-            return progress(
-                dataclasses.replace(row, status="FAILED", notes=join_notes(notes, check))
-            )
-    del out
-    try:
-        timing = time_op(fn, arg_sets, warmup=settings.warmup, reps=settings.reps)
-    except Exception as e:  # E.g. out of memory with several calls in flight.
-        return progress(
-            dataclasses.replace(
-                row, status=on_error, notes=join_notes(notes, check, describe_error(e))
-            )
-        )
-    return timed_row(settings, row, timing, work, notes=join_notes(notes, check))
+    rows, measures = [], []
+    for e in entries:
+        row = Row(set_name, shape, e.impl, "ok", unit=unit, notes=e.notes, sweep=e.sweep)
+        status, measure = "ok", None
+        try:
+            out = jax.block_until_ready(e.fn(*e.arg_sets[0]))
+            check = "unchecked: reference too large"
+            if ref is not None:
+                passed, check = check_close(out, ref, f"{e.impl} {shape}", tol)
+                status = "ok" if passed else "FAILED"
+            del out
+            if status == "ok":
+                measure = op_measure(e.fn, e.arg_sets, warmup=settings.warmup)
+        except Exception as err:  # A peer missing here, a config that does not compile,
+            status, check = e.on_error, describe_error(err)  # or out of memory.
+        rows.append(dataclasses.replace(row, status=status, notes=join_notes(e.notes, check)))
+        measures.append(measure)
+    timed = [i for i, m in enumerate(measures) if m is not None]
+    timings = interleave([measures[i] for i in timed], settings.reps)
+    for i, timing in zip(timed, timings, strict=True):
+        rows[i] = with_timing(settings, rows[i], timing, work)
+    return [progress(row) for row in rows]
+
+
+def bench_impl(settings: Settings, *, impl: str, fn: Callable, arg_sets: Sequence[tuple],
+               on_error: str = "skipped", notes: str = "", sweep: bool = False,
+               **row_args) -> Row:  # fmt: skip
+    """One implementation alone: `bench_row` of one `Entry`."""
+    entry = Entry(impl, fn, arg_sets, on_error, notes, sweep)
+    return bench_row(settings, [entry], **row_args)[0]
 
 
 def timed_row(
@@ -291,23 +333,34 @@ def timed_row(
     rate: float | None = None,
     work_unit: str | None = None,
 ) -> Row:
+    """`with_timing`, with `notes`; printed as it is returned."""
+    row = dataclasses.replace(row, notes=notes)
+    return progress(with_timing(settings, row, timing, work, rate=rate, work_unit=work_unit))
+
+
+def with_timing(
+    settings: Settings,
+    row: Row,
+    timing: Timing,
+    work: float,
+    *,
+    rate: float | None = None,
+    work_unit: str | None = None,
+) -> Row:
     """`row` with its times, its rate (default: `work` per second in `row.unit`) and the
     share of this run's ceiling that `work` per second reaches (`work_unit`, default
     `row.unit`: "TFLOP/s" against the matmul ceiling, else bytes against the copy
-    ceiling); printed as it is returned."""
+    ceiling)."""
     throughput = work / timing.median_s / 1e12
     c = settings.ceilings
     ceiling = c.matmul_tflops if (work_unit or row.unit) == "TFLOP/s" else c.copy_tbps
-    return progress(
-        dataclasses.replace(
-            row,
-            time_ms=timing.median_s * 1e3,
-            min_ms=timing.min_s * 1e3,
-            max_ms=timing.max_s * 1e3,
-            rate=throughput if rate is None else rate,
-            pct_ceiling=100 * throughput / ceiling,
-            notes=notes,
-        )
+    return dataclasses.replace(
+        row,
+        time_ms=timing.median_s * 1e3,
+        min_ms=timing.min_s * 1e3,
+        max_ms=timing.max_s * 1e3,
+        rate=throughput if rate is None else rate,
+        pct_ceiling=100 * throughput / ceiling,
     )
 
 
@@ -320,42 +373,37 @@ class Sweep:
     default: tuple[str, ...]
 
 
-def bench_ours(
+def ours_entries(
     settings: Settings,
     *,
     sweep: Sweep,
     make_fn: Callable,
     config,
+    arg_sets: Sequence[tuple],
     notes: str = "",
-    **measure_args,
-) -> list[Row]:
-    """Our kernel with the heuristic `config`; with `settings.sweep`, config variants too.
-
-    `make_fn(config)` returns the jitted call; `measure_args` go to `bench_impl` (set_name,
-    shape, arg_sets, ref, tol, work, unit). The fastest variant's notes say "BEST".
-    """
-    measure = functools.partial(bench_impl, settings, impl="ours", **measure_args)
-    main = measure(
-        fn=make_fn(config),
-        on_error="FAILED",
-        notes=join_notes(notes, f"config {sweep.label(config)} (heuristic)"),
-    )
-    if not settings.sweep:
-        return [main]
-    variants = []
-    for spec in settings.sweep_configs or sweep.default:
+) -> list[Entry]:
+    """Our kernel with the heuristic `config` (first); with `settings.sweep`, its config
+    variants after it. `make_fn(config)` returns the jitted call. A malformed spec becomes
+    a variant whose call raises its error (an "error" row)."""
+    label = f"config {sweep.label(config)} (heuristic)"
+    entries = [Entry("ours", make_fn(config), arg_sets, "FAILED", join_notes(notes, label))]
+    for spec in (settings.sweep_configs or sweep.default) if settings.sweep else ():
         try:
-            variant = sweep.parse(spec)
+            fn = make_fn(sweep.parse(spec))
         except ValueError as e:  # A malformed spec or an invalid block size.
-            row = Row(
-                measure_args["set_name"], measure_args["shape"], "ours", "error",
-                notes=f"sweep {spec}: {e}", sweep=True,
-            )  # fmt: skip
-            variants.append(progress(row))
-            continue
-        variants.append(
-            measure(fn=make_fn(variant), on_error="error", notes=f"sweep {spec}", sweep=True)
-        )
+            fn = functools.partial(_raise, e)
+        entries.append(Entry("ours", fn, arg_sets, "error", f"sweep {spec}", sweep=True))
+    return entries
+
+
+def _raise(error: Exception, *args):
+    raise error
+
+
+def mark_best(rows: Sequence[Row]) -> list[Row]:
+    """Our rows as `ours_entries` ordered them (the heuristic's, then variants): the
+    fastest variant's notes say "BEST" and its speed-up over the heuristic."""
+    main, *variants = rows
     timed = [r for r in variants if r.status == "ok"]
     if timed and main.time_ms:
         best = min(timed, key=lambda r: r.time_ms)
@@ -364,3 +412,21 @@ def bench_ours(
             best, notes=join_notes(best.notes, "BEST", speedup)
         )
     return [main, *variants]
+
+
+def bench_ours(
+    settings: Settings,
+    *,
+    sweep: Sweep,
+    make_fn: Callable,
+    config,
+    arg_sets: Sequence[tuple],
+    notes: str = "",
+    **row_args,
+) -> list[Row]:
+    """`ours_entries` timed by `bench_row` (row_args: set_name, shape, ref, tol, work,
+    unit), with the BEST variant marked."""
+    entries = ours_entries(
+        settings, sweep=sweep, make_fn=make_fn, config=config, arg_sets=arg_sets, notes=notes
+    )
+    return mark_best(bench_row(settings, entries, **row_args))

@@ -22,12 +22,14 @@ import numpy as np
 from bench.common import (
     L2_BYTES,
     TOLERANCES,
+    Entry,
     SetResult,
     Settings,
     Sweep,
-    bench_impl,
-    bench_ours,
+    bench_row,
+    mark_best,
     num_input_sets,
+    ours_entries,
     progress,
 )
 
@@ -157,14 +159,9 @@ def decode_set(settings: Settings) -> SetResult:
         config = jaxattn.PagedDecodeConfig.heuristic(
             row.batch, heads[1], tables.shape[1] * heads[3], heads[3]
         )
-        row_args = dict(
-            set_name="decode", shape=row.label, ref=ref,
-            tol=TOLERANCES[jnp.dtype(jnp.bfloat16)], work=kv_bytes, unit="TB/s",
-        )  # fmt: skip
-        measure = functools.partial(bench_impl, settings, **row_args)
-        mine, *variants = bench_ours(
+        mine = ours_entries(
             settings, sweep=_sweep(config), make_fn=ours, config=config,
-            arg_sets=[x[:4] for x in inputs], **row_args,
+            arg_sets=[x[:4] for x in inputs],
         )  # fmt: skip
         cudnn = jax.jit(
             lambda q, k, v, n: jax.nn.dot_product_attention(
@@ -172,11 +169,9 @@ def decode_set(settings: Settings) -> SetResult:
             )[:, 0]
         )
         contiguous = [(x[0], x[4], x[5], x[3]) for x in inputs]
-        peers = [measure(impl="cudnn", fn=cudnn, arg_sets=contiguous)]
         gqa = jax.jit(
             lambda q, k, v, n: decode_attention.gqa(q, k, v, kv_seq_len=n, interpret=interpret)
         )
-        peers.append(measure(impl="jax gqa decode", fn=gqa, arg_sets=contiguous))
         # Its layout is [Hkv, N, P, D], and it takes no scale: q comes pre-scaled.
         paged = jax.jit(
             lambda q, kp, vp, t, n: paged_attention.paged_attention(
@@ -193,12 +188,22 @@ def decode_set(settings: Settings) -> SetResult:
             )
             for q, cache, tables, lengths, _, _ in inputs
         ]
-        paged_peer = measure(impl="jax paged_attention", fn=paged, arg_sets=paged_sets)
+        peers = [
+            Entry("cudnn", cudnn, contiguous),
+            Entry("jax gqa decode", gqa, contiguous),
+            Entry("jax paged_attention", paged, paged_sets),
+        ]
+        measured = bench_row(
+            settings, mine + peers, set_name="decode", shape=row.label, ref=ref,
+            tol=TOLERANCES[jnp.dtype(jnp.bfloat16)], work=kv_bytes, unit="TB/s",
+        )  # fmt: skip
+        (mine, *variants), peers = mark_best(measured[: len(mine)]), measured[len(mine) :]
+        paged_peer = peers[-1]
         if mine.status == paged_peer.status == "ok":
             ratio = mine.rate / paged_peer.rate
             mine = progress(
                 dataclasses.replace(mine, notes=f"{mine.notes}; {ratio:.2f}x jax paged")
             )
-        rows += [mine, *variants, *peers, paged_peer]
+        rows += [mine, *variants, *peers]
     label = f"bf16, Hq {heads[0]} / Hkv {heads[1]}, D {heads[2]}, page {heads[3]}, pages scattered"
     return SetResult("decode", label, rows)

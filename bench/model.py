@@ -22,7 +22,8 @@ step (a bf16 model is ~1% off float32 whatever its attention does).
 
 Both caches hold the same K/V values. A timed call runs `STEPS` steps in one jitted loop
 carrying the caches (donated: updated in place, as in a serving loop); the step's plan
-(`AttentionMetadata`) is built once outside the loop. Rates: thousands of tokens per second
+(`AttentionMetadata`) is built once outside the loop. The three implementations are
+measured in turn, one measurement of each per round (`bench.common.interleave`). Rates: thousands of tokens per second
 (B / step time); "% ceiling" is the bytes a step must read (weights, K/V) per second against
 the device-copy ceiling of the run.
 """
@@ -42,11 +43,12 @@ from bench.common import (
     Row,
     SetResult,
     Settings,
+    carried_measure,
     describe_error,
+    interleave,
     join_notes,
     progress,
     relative_error,
-    time_carried,
     timed_row,
 )
 
@@ -221,27 +223,26 @@ def _float32_reference(shape: Shape, model, contiguous, tokens, meta):
         return _one_step(model32, f32(contiguous), tokens, meta)
 
 
-def _row(settings, shape, impl, model, caches, tokens, meta, ref, lowp_err, *, steps, work):
-    """Checks one step's logits against the float32 `ref` (error <= 2 * `lowp_err`, the bf16
-    xla step's), then times the step."""
+def _checked(settings, shape, impl, model, caches, tokens, meta, ref, lowp_err, *, steps):
+    """(row, its measurement or None): checks one step's logits against the float32 `ref`
+    (error <= 2 * `lowp_err`, the bf16 xla step's), then prepares the step's timing."""
     row = Row(SET_NAME, shape.label, impl, "ok", unit="ktok/s")
     try:
         err = relative_error(_one_step(model, caches, tokens, meta), ref)
         check = f"err {err:.1e} (bf16 xla {lowp_err:.1e})"
         if not err <= 2 * lowp_err:
-            return progress(dataclasses.replace(row, status="FAILED", notes=check))
+            return progress(dataclasses.replace(row, status="FAILED", notes=check)), None
         graphdef, state = nnx.split(model)
 
         def step(caches, state):
             logits, caches = nnx.merge(graphdef, state).step(tokens, caches, meta)
             return caches, logits
 
-        timing = time_carried(step, caches, (state,), settings, steps)
+        measure = carried_measure(step, caches, (state,), settings, steps)
     except Exception as e:  # cuDNN missing off-GPU; ours must run
         status = "FAILED" if impl == "ours" else "skipped"
-        return progress(dataclasses.replace(row, status=status, notes=describe_error(e)))
-    rate = shape.batch / timing.median_s / 1e3  # thousand tokens per second
-    return timed_row(settings, row, timing, work, check, rate=rate, work_unit="TB/s")
+        return progress(dataclasses.replace(row, status=status, notes=describe_error(e))), None
+    return dataclasses.replace(row, notes=check), measure
 
 
 def model_set(settings: Settings) -> SetResult:
@@ -253,11 +254,19 @@ def model_set(settings: Settings) -> SetResult:
     work = _bytes_per_step(shape, models["ours"])
     ref = _float32_reference(shape, models["ours"], contiguous, tokens, meta)
     lowp_err = relative_error(_one_step(models["xla"], contiguous, tokens, meta), ref)
-    rows = {
-        impl: _row(settings, shape, impl, models[impl], caches[impl], tokens, meta, ref,
-                   lowp_err, steps=steps, work=work)
+    checked = {
+        impl: _checked(settings, shape, impl, models[impl], caches[impl], tokens, meta, ref,
+                       lowp_err, steps=steps)
         for impl in ("ours", "cudnn", "xla")
     }  # fmt: skip
+    rows = {impl: row for impl, (row, _) in checked.items()}
+    timed = [impl for impl, (_, measure) in checked.items() if measure is not None]
+    timings = interleave([checked[impl][1] for impl in timed], settings.reps)  # in turn
+    for impl, timing in zip(timed, timings, strict=True):
+        rate = shape.batch / timing.median_s / 1e3  # thousand tokens per second
+        rows[impl] = timed_row(
+            settings, rows[impl], timing, work, rows[impl].notes, rate=rate, work_unit="TB/s"
+        )
     ours, cudnn = rows["ours"], rows["cudnn"]
     if ours.time_ms and cudnn.time_ms:
         rows["ours"] = progress(
