@@ -93,7 +93,9 @@ class SetResult:
     rows: list[Row]
 
 
-CHAIN_BELOW_S = 250e-6  # Calls shorter than this run chained over their input sets.
+CHAIN_BELOW_S = 250e-6  # Calls shorter than this run chained over their input sets,
+MIN_CHAIN_S = 2e-3  # in programs repeating the chain to last at least this long,
+MAX_CHAIN_REPEATS = 64  # up to this many times (`chain`).
 
 
 def _run_calls(fn: Callable, arg_sets: Sequence[tuple], calls: int) -> None:
@@ -103,15 +105,34 @@ def _run_calls(fn: Callable, arg_sets: Sequence[tuple], calls: int) -> None:
     jax.block_until_ready(out)
 
 
-def chain(fn: Callable) -> Callable:
-    """One jitted program calling `fn` once on each of its argument tuples.
+def chain(fn: Callable, repeats: int = 1) -> Callable:
+    """One jitted program calling `fn` on each of its argument tuples in turn, `repeats`
+    times over.
 
-    Short calls dispatched one by one from the host measure the dispatch, not the device.
-    Chained in one program they run back to back on the device. The tuples must be
-    distinct arrays (XLA merges calls on the same inputs), and every output is returned,
-    so no call is dead code.
+    Short calls dispatched one by one from the host measure the dispatch, not the device;
+    so does a program of a few of them (its dispatch takes about as long as their device
+    time, and varies). Chained in a long enough program they run back to back on the
+    device. The tuples must be distinct arrays (XLA merges calls on the same inputs), and
+    every output is returned, so no call is dead code. With `repeats > 1`, `fn` must
+    return an array like its first argument (attention: out like q): each call after the
+    first takes the previous call's output there, so no call repeats another's inputs.
     """
-    return jax.jit(lambda sets: [fn(*args) for args in sets])
+
+    def run(sets):
+        outs = []
+        for _ in range(repeats):
+            for first, *rest in sets:
+                outs.append(fn(outs[-1] if repeats > 1 and outs else first, *rest))
+        return outs
+
+    return jax.jit(run)
+
+
+def _feeds_back(fn: Callable, args: tuple) -> bool:
+    """Whether `fn(*args)` is an array of its first argument's shape and dtype."""
+    out, first = jax.eval_shape(fn, *args), args[0]
+    shape = getattr(out, "shape", None)
+    return shape == getattr(first, "shape", ()) and out.dtype == getattr(first, "dtype", None)
 
 
 Measure = Callable[[], float]  # one measurement: seconds per call
@@ -136,7 +157,8 @@ def op_measure(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int) -> Measu
     the argument tuples, taken in rotation, to last MIN_MEASUREMENT_S.
 
     Calls shorter than CHAIN_BELOW_S with several input sets are timed as `chain`s over
-    all the sets (each measurement divided by their number).
+    all the sets, repeated to last MIN_CHAIN_S (each measurement divided by the number of
+    calls in the chain).
     """
     _run_calls(fn, arg_sets, max(warmup, 1))
     start = time.perf_counter()
@@ -144,11 +166,17 @@ def op_measure(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int) -> Measu
     per_call = (time.perf_counter() - start) / len(arg_sets)
     scale = 1
     if per_call < CHAIN_BELOW_S and len(arg_sets) > 1:
-        fn, arg_sets, scale = chain(fn), [(tuple(arg_sets),)], len(arg_sets)
-        _run_calls(fn, arg_sets, max(warmup, 1))
-        start = time.perf_counter()
-        _run_calls(fn, arg_sets, 1)
-        per_call = time.perf_counter() - start
+        repeats, most = 1, MAX_CHAIN_REPEATS if _feeds_back(fn, arg_sets[0]) else 1
+        while True:
+            chained, sets = chain(fn, repeats), [(tuple(arg_sets),)]
+            _run_calls(chained, sets, max(warmup, 1))
+            start = time.perf_counter()
+            _run_calls(chained, sets, 1)
+            per_call = time.perf_counter() - start
+            if per_call >= MIN_CHAIN_S or repeats >= most:
+                break
+            repeats = min(most, repeats * math.ceil(MIN_CHAIN_S / per_call))
+        fn, arg_sets, scale = chained, sets, len(arg_sets) * repeats
     calls = max(len(arg_sets), math.ceil(MIN_MEASUREMENT_S / per_call))
 
     def measure() -> float:

@@ -23,9 +23,9 @@ step (a bf16 model is ~1% off float32 whatever its attention does).
 Both caches hold the same K/V values. A timed call runs `STEPS` steps in one jitted loop
 carrying the caches (donated: updated in place, as in a serving loop); the step's plan
 (`AttentionMetadata`) is built once outside the loop. The three implementations are
-measured in turn, one measurement of each per round (`bench.common.interleave`). Rates: thousands of tokens per second
-(B / step time); "% ceiling" is the bytes a step must read (weights, K/V) per second against
-the device-copy ceiling of the run.
+measured in turn, one measurement of each per round (`bench.common.interleave`). Rates:
+thousands of tokens per second (B / step time); "% ceiling" is the bytes a step must read
+(weights, K/V) per second against the device-copy ceiling of the run.
 """
 
 from __future__ import annotations
