@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
+_RESIDENT_PER_SM = 4  # 64x4x3 programs an SM holds at once (128 registers per thread)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,10 @@ class PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
         Tuned on an H100 (bench/RESULTS.md, decode sweeps; bf16, D 128, pages of 16):
-        - >= one program per SM: 64-token blocks, 3 stages, no split (2.9 TB/s at B64).
+        - >= one program per SM: 64-token blocks, 3 stages (2.9 TB/s at B64), split as far
+          as all programs stay resident at once (4 per SM): B32 gets 2 splits (ragged
+          lengths 16-18% faster, uniform -2% to +2%); B48 and B64 none (a second wave of
+          programs cost 2-7% with uniform lengths).
         - fewer: about two programs per SM through split-K, each split streaming at least
           two 128-token blocks (the split's start-up and the combine pass then stay
           small); 128-token blocks in 2 stages were best with ragged lengths (programs of
@@ -70,7 +74,8 @@ class PagedDecodeConfig:
         sm_count = sm_count or _sm_count()
         programs = batch * num_kv_heads
         if programs >= sm_count and code is None:
-            return cls(block_kv=64, num_splits=1, num_warps=4, num_stages=3)
+            splits = min(_RESIDENT_PER_SM * sm_count // programs, max(1, max_context // 128))
+            return cls(block_kv=64, num_splits=max(splits, 1), num_warps=4, num_stages=3)
         block_kv = 128
         splits = max(-(-2 * sm_count // programs), 1 if code is None else 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
