@@ -61,8 +61,9 @@ class PagedDecodeConfig:
           programs cost 2-7% with uniform lengths).
         - fewer: about two programs per SM through split-K, each split streaming at least
           two 128-token blocks (the split's start-up and the combine pass then stay
-          small); 128-token blocks in 2 stages were best with ragged lengths (programs of
-          short sequences finish early) and within 3% of the best otherwise.
+          small); 128-token blocks in 2 stages were best with ragged lengths (B8 ctx8192:
+          65 against 68-70 us for 64-token tilings) and within 3% of the best otherwise
+          (64x2x3: 99 against 102 us with uniform lengths; session-9 sweep).
         - quantized caches (`code`: "int8", "float8_e4m3fn", "int4"; in-kernel
           dequantization): 128-token blocks and at least two splits were best for every
           format at B64 ctx16384 (up to 1.35x over 64x4x3 unsplit); 2 stages, except INT4:
