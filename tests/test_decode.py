@@ -149,6 +149,24 @@ def test_split_k_matches_single_pass(splits):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "batch, context, want",
+    [
+        (1, 32768, (128, 33, 4, 2)),  # few programs: about two per SM through split-K
+        (8, 8192, (128, 5, 4, 2)),
+        (32, 16384, (64, 2, 4, 3)),  # >= one per SM: split while all stay resident (4 per SM)
+        (17, 4096, (64, 3, 4, 3)),
+        (48, 8192, (64, 1, 4, 3)),  # two splits would need a second wave of programs
+        (64, 16384, (64, 1, 4, 3)),
+        (32, 64, (64, 1, 4, 3)),  # too short to split
+    ],
+)
+def test_decode_heuristic_tilings(batch, context, want):
+    """The H100 choices documented in `PagedDecodeConfig.heuristic` (8 kv heads, 132 SMs)."""
+    config = jaxattn.PagedDecodeConfig.heuristic(batch, 8, context, 16, sm_count=132)
+    assert (config.block_kv, config.num_splits, config.num_warps, config.num_stages) == want
+
+
 QUANTS = [
     jaxattn.KVQuant(dtype, granularity, group_size)
     for dtype in ("int8", "float8_e4m3fn", "int4")
