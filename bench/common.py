@@ -442,19 +442,7 @@ def mark_best(rows: Sequence[Row]) -> list[Row]:
     return [main, *variants]
 
 
-def bench_ours(
-    settings: Settings,
-    *,
-    sweep: Sweep,
-    make_fn: Callable,
-    config,
-    arg_sets: Sequence[tuple],
-    notes: str = "",
-    **row_args,
-) -> list[Row]:
-    """`ours_entries` timed by `bench_row` (row_args: set_name, shape, ref, tol, work,
-    unit), with the BEST variant marked."""
-    entries = ours_entries(
-        settings, sweep=sweep, make_fn=make_fn, config=config, arg_sets=arg_sets, notes=notes
-    )
-    return mark_best(bench_row(settings, entries, **row_args))
+def bench_ours(settings: Settings, row_args: dict, **ours) -> list[Row]:
+    """`ours_entries(settings, **ours)` timed by `bench_row(settings, entries, **row_args)`
+    (set_name, shape, ref, tol, work, unit), with the BEST variant marked."""
+    return mark_best(bench_row(settings, ours_entries(settings, **ours), **row_args))

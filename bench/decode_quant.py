@@ -92,15 +92,14 @@ def decode_quant_set(settings: Settings) -> SetResult:
         )
         kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
         kv_bytes *= bytes_per_token_head(quant, head_dim)
-        mine, *variants = bench_ours(
-            settings,
-            sweep=_sweep(config),
-            make_fn=ours,
-            config=config,
+        row_args = dict(
             set_name="decode_quant", shape=f"B{row.batch} ctx{row.context} {label(quant)}",
             ref=_reference(q, cache, tables, lengths), tol=TOLERANCES[jnp.dtype(jnp.bfloat16)],
-            work=kv_bytes, unit="TB/s", arg_sets=[(q, cache, tables, lengths)],
-            notes=f"{kv_bytes / 2**30:.2f} GiB read",
+            work=kv_bytes, unit="TB/s",
+        )  # fmt: skip
+        mine, *variants = bench_ours(
+            settings, row_args, sweep=_sweep(config), make_fn=ours, config=config,
+            arg_sets=[(q, cache, tables, lengths)], notes=f"{kv_bytes / 2**30:.2f} GiB read",
         )  # fmt: skip
         if mine.status == "ok":
             base_ms = base_ms or mine.time_ms

@@ -202,10 +202,12 @@ def config_label(config) -> str:
 SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)
 
 
-def _bench_ours(settings: Settings, *, arg_sets: Sequence[tuple], flops: float, **kw) -> list[Row]:
+def _bench_ours(settings: Settings, *, set_name: str, shape: str, ref, flops: float,
+                arg_sets: Sequence[tuple], **ours) -> list[Row]:  # fmt: skip
     """`bench_ours` on a prefill row: TFLOP/s, the tolerance of the inputs' dtype."""
     tol = TOLERANCES[arg_sets[0][0].dtype]
-    return bench_ours(settings, sweep=SWEEP, arg_sets=arg_sets, tol=tol, work=flops, **kw)
+    row_args = dict(set_name=set_name, shape=shape, ref=ref, tol=tol, work=flops)
+    return bench_ours(settings, row_args, sweep=SWEEP, arg_sets=arg_sets, **ours)
 
 
 def _ours_dense(causal: bool) -> Callable:
