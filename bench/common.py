@@ -4,9 +4,9 @@ Method (METHOD.md; STYLE.md guideline 9): check each output against a reference 
 timing it; warm up so compilation stays out of the numbers; per measurement, dispatch
 enough back-to-back calls to last >= 20 ms and wait for the last one (calls run in order
 on one stream), then take the median over measurements; calls under 250 us run chained
-over their input sets in one jitted program, so that host dispatch does not hide the
-device time;
-rotate input sets so the L2 cache cannot serve repeated runs; report rates against
+over their input sets in jitted programs of >= 2 ms (`chain`), so that host dispatch
+does not set their time; rotate input sets so the L2 cache cannot serve repeated runs;
+report rates against
 ceilings measured in the same process. The implementations of one row are measured in
 turn (`interleave`: one measurement of each per round), so that a drift of the clocks
 during the row lands on all of them rather than on whichever ran last.
