@@ -167,6 +167,30 @@ def test_decode_heuristic_tilings(batch, context, want):
     assert (config.block_kv, config.num_splits, config.num_warps, config.num_stages) == want
 
 
+@pytest.mark.parametrize(
+    "window, has_new, want",
+    [  # rows of 100, 1000 and 0 tokens, blocks of 16, 4 splits: [start, end) per split
+        (None, False, [[(0, 7), (7, 7), (7, 7), (7, 7)],
+                       [(0, 16), (16, 32), (32, 48), (48, 63)], [(0, 0)] * 4]),
+        (200, True, [[(0, 4), (4, 7), (7, 7), (7, 7)],
+                     [(50, 54), (54, 58), (58, 62), (62, 63)], [(0, 0)] * 4]),
+    ],
+)  # fmt: skip
+def test_split_chunks_have_one_length_across_the_batch(window, has_new, want):
+    """Split-K chunks are the longest visible span over the splits for every row: a short
+    row of a ragged batch keeps fewer splits busy (not as many shorter ones), and each
+    row's splits cover its visible blocks once, in order."""
+    from pallas_kernels.paged_decode.kernel import split_blocks, visible_blocks
+
+    spans = functools.partial(visible_blocks, window=window, has_new=has_new, block_kv=16)
+    ctx_all = jnp.asarray([100, 1000, 0], jnp.int32)
+    got = [
+        [tuple(int(x) for x in split_blocks(spans, ctx, ctx_all, s, 4)[1:]) for s in range(4)]
+        for ctx in ctx_all
+    ]
+    assert got == want
+
+
 QUANTS = [
     jaxattn.KVQuant(dtype, granularity, group_size)
     for dtype in ("int8", "float8_e4m3fn", "int4")

@@ -124,7 +124,7 @@ def _paged_decode_kernel(
     q = tuple(query_part(p * part_dim + dims[None, :]) for p in range(fmt.parts))
     ctx = ctx_ref[b]
     pos = ctx - 1  # the query's position
-    cached = jnp.maximum(pos, 0) if has_new else ctx  # tokens read from the pages
+    cached = cached_tokens(ctx, has_new)
     slopes = None
     if has_alibi:
         slopes = plgpu.load(alibi_ref.at[heads], mask=row_ok, other=0.0)
@@ -187,19 +187,13 @@ def _paged_decode_kernel(
         load_v = lambda: read(v_ref, v_scale_ref, dtype=dtype)  # noqa: E731
         return softmax_update(carry, s, load_v, precision, v_scale)
 
-    # This split's share of the blocks that can hold visible keys: chunks of one size for
-    # the whole batch (the longest row's span over the splits), so a short row of a ragged
-    # batch keeps fewer programs busy rather than as many, shorter ones (which left the
-    # long rows' programs to finish alone: B8 ctx8192 ragged 83.5 vs 62.3 us).
-    lo_b, hi_b = visible_blocks(ctx, params.window, has_new, block_kv)
-    per_split = hi_b - lo_b
-    if num_splits > 1:
+    ctx_all = None
+    if num_splits > 1:  # every row's length: the batch's chunk length
         rows_all = jnp.arange(next_power_of_2(ctx_ref.shape[0]))
         ctx_all = plgpu.load(ctx_ref.at[rows_all], mask=rows_all < ctx_ref.shape[0], other=0)
-        lo_all, hi_all = visible_blocks(ctx_all, params.window, has_new, block_kv)
-        per_split = pl.cdiv(jnp.max(hi_all - lo_all), num_splits)
-    start = jnp.minimum(lo_b + split * per_split, hi_b)
-    end = jnp.minimum(start + per_split, hi_b)
+    spans = functools.partial(visible_blocks, window=params.window, has_new=has_new,
+                              block_kv=block_kv)  # fmt: skip
+    lo_b, start, end = split_blocks(spans, ctx, ctx_all, split, num_splits)
 
     carry = softmax_init(rows, (len(dims),) * fmt.parts)
     if has_new:
@@ -235,14 +229,36 @@ def _paged_decode_kernel(
         plgpu.store(lse_ref.at[b, heads], lse, mask=row_ok)
 
 
+def cached_tokens(ctx, has_new):
+    """Tokens read from the pages for a row of `ctx` (its query the last): all of them, or
+    with `has_new` (the last comes as an input) all but the last."""
+    return jnp.maximum(ctx - 1, 0) if has_new else ctx
+
+
 def visible_blocks(ctx, window, has_new, block_kv):
     """(first, end) of the `block_kv`-token blocks of the cache that can hold keys visible
-    to a row of `ctx` tokens (its query the last; `window`: None or the tokens it sees;
-    `has_new`: the last token comes as an input, not from the cache). Any shape of ctx."""
-    cached = jnp.maximum(ctx - 1, 0) if has_new else ctx
+    to a row of `ctx` tokens (`window`: None or the tokens its query sees; `has_new`: as
+    `cached_tokens`). Any shape of ctx."""
     lo = 0 if window is None else jnp.maximum(ctx - window, 0)  # (ctx - 1) - window + 1
-    hi_b = pl.cdiv(cached, block_kv)
+    hi_b = pl.cdiv(cached_tokens(ctx, has_new), block_kv)
     return jnp.minimum(lo // block_kv, hi_b), hi_b
+
+
+def split_blocks(spans, ctx, ctx_all, split, num_splits):
+    """(first visible block, start, end): the blocks `[start, end)` of split `split` of a
+    row of `ctx` tokens; `spans(ctx)` gives (first, end) of its visible blocks.
+
+    With splits, chunks have one length for the whole batch `ctx_all` (every row's ctx):
+    the longest row's span over `num_splits`. A short row of a ragged batch then keeps
+    fewer programs busy instead of as many shorter ones, which left the long rows'
+    programs to finish alone (B8 ctx8192 ragged: 83.5 against 62.3 us)."""
+    lo_b, hi_b = spans(ctx)
+    per_split = hi_b - lo_b
+    if num_splits > 1:
+        lo_all, hi_all = spans(ctx_all)
+        per_split = pl.cdiv(jnp.max(hi_all - lo_all), num_splits)
+    start = jnp.minimum(lo_b + split * per_split, hi_b)
+    return lo_b, start, jnp.minimum(start + per_split, hi_b)
 
 
 def new_token(new_refs, new_heads, rope_refs, pool_dtype, b, kvh, cols, col_ok):
