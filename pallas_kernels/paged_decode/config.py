@@ -75,8 +75,8 @@ class PagedDecodeConfig:
         sm_count = sm_count or _sm_count()
         programs = batch * num_kv_heads
         if programs >= sm_count and code is None:
-            splits = min(_RESIDENT_PER_SM * sm_count // programs, max(1, max_context // 128))
-            return cls(block_kv=64, num_splits=max(splits, 1), num_warps=4, num_stages=3)
+            splits = max(1, min(_RESIDENT_PER_SM * sm_count // programs, max_context // 128))
+            return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
         splits = max(-(-2 * sm_count // programs), 1 if code is None else 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
