@@ -58,6 +58,7 @@ ROWS = (
     DecodeRow(1, 4096), DecodeRow(1, 32768), DecodeRow(8, 8192), DecodeRow(64, 4096),
     DecodeRow(64, 16384), DecodeRow(256, 2048), DecodeRow(64, 4096, ragged=True),
     DecodeRow(8, 8192, ragged=True), DecodeRow(32, 16384, ragged=True),
+    DecodeRow(64, 16384, ragged=True), DecodeRow(256, 2048, ragged=True),
 )  # fmt: skip
 CHAINED, CHAINED_BYTES = 8, 2**32  # (peer layouts triple the memory of each copy)
 SMOKE_ROWS = (DecodeRow(1, 512), DecodeRow(2, 512, ragged=True))  # peers need 16 splits

@@ -154,10 +154,13 @@ def test_split_k_matches_single_pass(splits):
     [
         (1, 32768, (128, 33, 4, 2)),  # few programs: about two per SM through split-K
         (8, 8192, (128, 5, 4, 2)),
-        (32, 16384, (64, 2, 4, 3)),  # >= one per SM: split while all stay resident (4 per SM)
+        (32, 4096, (64, 2, 4, 3)),  # >= one per SM: split while all stay resident (4 per SM)
         (17, 4096, (64, 3, 4, 3)),
-        (48, 8192, (64, 1, 4, 3)),  # two splits would need a second wave of programs
-        (64, 16384, (64, 1, 4, 3)),
+        (48, 4096, (64, 1, 4, 3)),  # two splits would need a second wave of programs
+        (32, 16384, (128, 8, 4, 2)),  # long contexts: about 16 programs per SM
+        (64, 16384, (128, 4, 4, 2)),
+        (48, 8192, (128, 5, 4, 2)),
+        (256, 16384, (64, 1, 4, 3)),  # 2048 programs already
         (32, 64, (64, 1, 4, 3)),  # too short to split
     ],
 )

@@ -8,6 +8,8 @@ import jax
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
 _RESIDENT_PER_SM = 4  # 64x4x3 programs an SM holds at once (128 registers per thread)
+_LONG_CONTEXT = 8192  # from here, many programs busy always pays (ragged lengths)
+_LONG_PROGRAMS_PER_SM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +57,17 @@ class PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
         Tuned on an H100 (bench/RESULTS.md, decode sweeps; bf16, D 128, pages of 16):
-        - >= one program per SM: 64-token blocks, 3 stages (2.9 TB/s at B64), split as far
-          as all programs stay resident at once (4 per SM): B32 gets 2 splits (ragged
-          lengths 16-18% faster, uniform -2% to +2%); B48 and B64 none (a second wave of
-          programs cost 2-7% with uniform lengths).
+        - >= one program per SM, contexts of 8192 and more: 128-token blocks in 2 stages,
+          split into about 16 programs per SM (B32: 8 splits, B64: 4) as long as a split
+          holds at least 1024 tokens. Programs of equal chunks then keep every SM busy to
+          the end with ragged lengths: B64 ctx16384 ragged 797 against 870 us unsplit,
+          B64 ctx8192 ragged 410 against 466, B32 ctx16384 ragged 386 against 409 (two
+          splits); uniform lengths pay 0.5-2.3% (session-10 sweep).
+        - >= one program per SM, shorter contexts: 64-token blocks, 3 stages (2.9 TB/s at
+          B64), split as far as all programs stay resident at once (4 per SM): B32 gets 2
+          splits (ragged lengths 16-18% faster, uniform -2% to +2%); B48 and B64 none
+          (splits cost 3-5% at B64 ctx2048-4096 with uniform lengths, and ragged B256
+          ctx2048 ran best unsplit too).
         - fewer: about two programs per SM through split-K, each split streaming at least
           two 128-token blocks (the split's start-up and the combine pass then stay
           small); 128-token blocks in 2 stages were best with ragged lengths (B8 ctx8192:
@@ -75,6 +84,10 @@ class PagedDecodeConfig:
         sm_count = sm_count or _sm_count()
         programs = batch * num_kv_heads
         if programs >= sm_count and code is None:
+            if max_context >= _LONG_CONTEXT:
+                splits = min(_LONG_PROGRAMS_PER_SM * sm_count // programs, max_context // 1024)
+                if splits > 1:
+                    return cls(block_kv=128, num_splits=splits, num_warps=4, num_stages=2)
             splits = max(1, min(_RESIDENT_PER_SM * sm_count // programs, max_context // 128))
             return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
