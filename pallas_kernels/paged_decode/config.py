@@ -8,7 +8,7 @@ import jax
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
 _RESIDENT_PER_SM = 4  # 64x4x3 programs an SM holds at once (128 registers per thread)
-_LONG_CONTEXT = 8192  # from here, many programs busy always pays (ragged lengths)
+_LONG_CONTEXT = 8192  # tables this long split into about 16 programs per SM
 _LONG_PROGRAMS_PER_SM = 16
 
 
@@ -62,7 +62,9 @@ class PagedDecodeConfig:
           holds at least 1024 tokens. Programs of equal chunks then keep every SM busy to
           the end with ragged lengths: B64 ctx16384 ragged 797 against 870 us unsplit,
           B64 ctx8192 ragged 410 against 466, B32 ctx16384 ragged 386 against 409 (two
-          splits); uniform lengths pay 0.5-2.3% (session-10 sweep).
+          splits); uniform lengths pay 0.5-2.3% (session-10 sweep). `max_context` is
+          the tables' capacity: rows much shorter than it get short chunks, which cost
+          3-6% at B64 ctx2048 with uniform lengths.
         - >= one program per SM, shorter contexts: 64-token blocks, 3 stages (2.9 TB/s at
           B64), split as far as all programs stay resident at once (4 per SM): B32 gets 2
           splits (ragged lengths 16-18% faster, uniform -2% to +2%); B48 and B64 none
