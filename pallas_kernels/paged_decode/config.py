@@ -62,9 +62,9 @@ class PagedDecodeConfig:
           holds at least 1024 tokens. Programs of equal chunks then keep every SM busy to
           the end with ragged lengths: B64 ctx16384 ragged 797 against 870 us unsplit,
           B64 ctx8192 ragged 410 against 466, B32 ctx16384 ragged 386 against 409 (two
-          splits); uniform lengths pay 0.5-2.3% (session-10 sweep). `max_context` is
-          the tables' capacity: rows much shorter than it get short chunks, which cost
-          3-6% at B64 ctx2048 with uniform lengths.
+          splits); uniform lengths pay 0.6-2.3% (session-10 sweep). `max_context` is
+          the tables' capacity: rows much shorter than it get short chunks (4 splits of
+          B64 rows of 2048 tokens: 202 against 190 us).
         - >= one program per SM, shorter contexts: 64-token blocks, 3 stages (2.9 TB/s at
           B64), split as far as all programs stay resident at once (4 per SM): B32 gets 2
           splits (ragged lengths 16-18% faster, uniform -2% to +2%); B48 and B64 none
