@@ -6,10 +6,10 @@ enough back-to-back calls to last >= 20 ms and wait for the last one (calls run 
 on one stream), then take the median over measurements; calls under 250 us run chained
 over their input sets in jitted programs of >= 2 ms (`chain`), so that host dispatch
 does not set their time; rotate input sets so the L2 cache cannot serve repeated runs;
-report rates against
-ceilings measured in the same process. The implementations of one row are measured in
-turn (`interleave`: one measurement of each per round), so that a drift of the clocks
-during the row lands on all of them rather than on whichever ran last.
+report rates against ceilings measured in the same process. The implementations of one
+row are measured in turn (`interleave`: one measurement of each per round), so that a
+drift of the clocks during the row lands on all of them rather than on whichever ran
+last.
 """
 
 from __future__ import annotations
@@ -359,19 +359,13 @@ def bench_impl(settings: Settings, *, impl: str, fn: Callable, arg_sets: Sequenc
     return bench_row(settings, [entry], **row_args)[0]
 
 
-def timed_row(
-    settings: Settings,
-    row: Row,
-    timing: Timing,
-    work: float,
-    notes: str,
-    *,
-    rate: float | None = None,
-    work_unit: str | None = None,
-) -> Row:
-    """`with_timing`, with `notes`; printed as it is returned."""
-    row = dataclasses.replace(row, notes=notes)
-    return progress(with_timing(settings, row, timing, work, rate=rate, work_unit=work_unit))
+def timed_row(settings: Settings, row: Row, timing: Timing, work: float, notes: str | None = None,
+              **rate) -> Row:  # fmt: skip
+    """`with_timing` (`rate`: its `rate` and `work_unit`), with `notes` in place of the
+    row's when given; printed as it is returned."""
+    if notes is not None:
+        row = dataclasses.replace(row, notes=notes)
+    return progress(with_timing(settings, row, timing, work, **rate))
 
 
 def with_timing(

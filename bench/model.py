@@ -264,9 +264,7 @@ def model_set(settings: Settings) -> SetResult:
     timings = interleave([checked[impl][1] for impl in timed], settings.reps)  # in turn
     for impl, timing in zip(timed, timings, strict=True):
         rate = shape.batch / timing.median_s / 1e3  # thousand tokens per second
-        rows[impl] = timed_row(
-            settings, rows[impl], timing, work, rows[impl].notes, rate=rate, work_unit="TB/s"
-        )
+        rows[impl] = timed_row(settings, rows[impl], timing, work, rate=rate, work_unit="TB/s")
     ours, cudnn = rows["ours"], rows["cudnn"]
     if ours.time_ms and cudnn.time_ms:
         rows["ours"] = progress(
