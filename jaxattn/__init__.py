@@ -28,6 +28,7 @@ from jaxattn.rope import (
     YarnScaling,
     apply_rope,
 )
+from pallas_kernels.flash_backward import FlashBackwardConfig
 from pallas_kernels.flash_prefill import FlashPrefillConfig
 from pallas_kernels.paged_decode import PagedDecodeConfig
 
@@ -47,6 +48,7 @@ __all__ = [
     "calibrate_kv_scales",
     "dequantize",
     "quantize",
+    "FlashBackwardConfig",
     "FlashPrefillConfig",
     "KVCacheManager",
     "PagedDecodeConfig",

@@ -22,6 +22,7 @@ from jaxattn import reference, validation
 from jaxattn.dispatch import run_first
 from jaxattn.positional import RelativeBias
 from pallas_kernels.common import use_interpret
+from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
 
@@ -81,13 +82,15 @@ def _batch(static: _Static, q, k, lengths) -> Batch:
     if static.packed:
         cu_q, cu_k = (x.astype(jnp.int32) for x in lengths)
         # One extra pseudo-sequence owns the trailing padding rows: no keys, so zeros.
-        q_len = jnp.append(jnp.diff(cu_q), 0)
+        # (Its keys likewise: the trailing key rows, whose dK/dV the backward zeroes.)
+        q_len, kv_len = jnp.append(jnp.diff(cu_q), 0), jnp.append(jnp.diff(cu_k), 0)
         return Batch(
             q_len=q_len,
-            kv_len=jnp.append(jnp.diff(cu_k), 0),
+            kv_len=kv_len,
             q_start=jnp.append(cu_q[:-1], cu_q[-1]),
             q_rows=q_len.at[-1].set(q.shape[0] - cu_q[-1]),
-            k_start=jnp.append(cu_k[:-1], 0),
+            k_start=cu_k,
+            k_rows=kv_len.at[-1].set(k.shape[0] - cu_k[-1]),
             dense=False,
         )
     q_len, kv_len = lengths
@@ -99,19 +102,9 @@ def _pallas(static: _Static, config, qkv, lengths, extras, out_scale=None):
     if static.out_fp8:
         validation.check_fp8_kernel_output()
     alibi, bias, mask, rel_table = extras
-    params = LogitParams(
-        causal=static.causal,
-        window=static.window,
-        sink_tokens=static.sink_tokens,
-        soft_cap=static.soft_cap,
-        scale=static.scale,
-        packed_coords=static.packed,
-        rel_max_distance=static.rel_max_distance,
-        rel_bidirectional=static.rel_bidirectional,
-    )
+    params = _params(static)
     if config is None:
-        max_q = q.shape[0] if static.packed else q.shape[1]
-        max_kv = k.shape[0] if static.packed else k.shape[1]
+        max_q, max_kv = _max_lengths(static, q, k)
         config = FlashPrefillConfig.heuristic(
             max_q,
             max_kv,
@@ -147,31 +140,110 @@ def _forward(impl: str, static: _Static, config, qkv, lengths, extras, out_scale
     return _pallas(static, config, qkv, lengths, extras, out_scale)
 
 
+def _params(static: _Static) -> LogitParams:
+    return LogitParams(
+        causal=static.causal,
+        window=static.window,
+        sink_tokens=static.sink_tokens,
+        soft_cap=static.soft_cap,
+        scale=static.scale,
+        packed_coords=static.packed,
+        rel_max_distance=static.rel_max_distance,
+        rel_bidirectional=static.rel_bidirectional,
+    )
+
+
+def _max_lengths(static: _Static, q, k) -> tuple[int, int]:
+    """Query and key tokens per sequence (the static bound)."""
+    token_axis = 0 if static.packed else 1
+    return q.shape[token_axis], k.shape[token_axis]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _differentiable(impl, static, config, qkv, lengths, extras):
     return _forward(impl, static, config, qkv, lengths, extras)
 
 
 def _differentiable_fwd(impl, static, config, qkv, lengths, extras):
-    return _forward(impl, static, config, qkv, lengths, extras), (qkv, lengths, extras)
+    """Residuals: q, k, v, the lengths and extras, and for the kernels out and the float32
+    lse (nothing of size Tq x Tk). `needs` names the float extras that are being
+    differentiated (its keys are static structure), so the backward computes no others."""
+    unwrap = lambda tree: jax.tree.map(lambda x: x.value, tree, is_leaf=_is_primal)  # noqa: E731
+    perturbed = jax.tree.map(lambda x: x.perturbed, extras, is_leaf=_is_primal)
+    needs = {name: None for name, p in zip(_FLOAT_EXTRAS, perturbed, strict=True) if p is True}
+    qkv, lengths, extras = unwrap(qkv), unwrap(lengths), unwrap(extras)
+    if impl == "xla":
+        outputs = _forward(impl, static, config, qkv, lengths, extras)
+        return outputs, (qkv, lengths, extras, None, needs)
+    out, lse = _pallas(dataclasses.replace(static, return_lse=True), config, qkv, lengths, extras)
+    outputs = (out, lse if static.return_lse else None)
+    return outputs, (qkv, lengths, extras, (out, lse), needs)
+
+
+_FLOAT_EXTRAS = ("alibi", "bias", "mask", "rel_table")  # the order of `extras`
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _dense_cotangent(g, like):
+    """A cotangent as an array: symbolic zeros (an output the loss does not use) as zeros."""
+    if g is None or isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return None if like is None else jnp.zeros(like.shape, like.dtype)
+    return g
 
 
 def _differentiable_bwd(impl, static, config, residuals, cotangents):
-    del impl, config
-    qkv, lengths, extras = residuals
+    qkv, lengths, extras, saved, needs = residuals
     alibi, bias, mask, rel_table = extras
     g_out, g_lse = cotangents
+    if impl == "xla":  # The reference recomputed under jax.vjp (the oracle's own gradient).
 
-    def f(qkv, alibi, bias, rel_table):
-        return _reference(static, qkv, lengths, (alibi, bias, mask, rel_table))
+        def f(qkv, alibi, bias, rel_table):
+            return _reference(static, qkv, lengths, (alibi, bias, mask, rel_table))
 
-    (out, lse), vjp = jax.vjp(f, qkv, alibi, bias, rel_table)
-    g_lse = jnp.zeros_like(lse) if g_lse is None else jnp.where(jnp.isfinite(lse), g_lse, 0)
-    g_qkv, g_alibi, g_bias, g_rel = vjp((g_out.astype(out.dtype), g_lse))
-    return g_qkv, None, (g_alibi, g_bias, None, g_rel)
+        (out, lse), vjp = jax.vjp(f, qkv, alibi, bias, rel_table)
+        g_out = _dense_cotangent(g_out, out)
+        g_lse = _dense_cotangent(g_lse, lse)
+        g_lse = jnp.where(jnp.isfinite(lse), g_lse, 0)
+        g_qkv, g_alibi, g_bias, g_rel = vjp((g_out.astype(out.dtype), g_lse))
+        return g_qkv, None, (g_alibi, g_bias, None, g_rel)
+
+    q, k, v = qkv
+    out, lse = saved
+    g_out = _dense_cotangent(g_out, out)
+    g_lse = None if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) else g_lse
+    backward = None if config is None else config.backward
+    if backward is None:
+        backward = FlashBackwardConfig.heuristic(*_max_lengths(static, q, k), q.shape[-1], q.dtype)
+    dq, dk, dv, d_bias, d_alibi, d_rel = flash_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        g_out.astype(out.dtype),
+        g_lse,
+        _batch(static, q, k, lengths),
+        bias=bias,
+        mask=mask,
+        alibi_slopes=alibi,
+        rel_table=rel_table,
+        params=_params(static),
+        config=backward,
+        grads_of=("bias" in needs, "alibi" in needs, "rel_table" in needs),
+        interpret=use_interpret(),
+    )
+    cast = lambda g, like: None if g is None else g.astype(like.dtype)  # noqa: E731
+    return (
+        (dq, dk, dv),
+        None,
+        (cast(d_alibi, alibi), cast(d_bias, bias), None, cast(d_rel, rel_table)),
+    )
 
 
-_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

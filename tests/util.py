@@ -22,7 +22,13 @@ ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = ("xla", "pallas")
 
 # Several q tiles and key blocks per sequence even at CPU sizes.
-CPU_CONFIG = jaxattn.FlashPrefillConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2)
+CPU_CONFIG = jaxattn.FlashPrefillConfig(
+    block_q=16,
+    block_kv=16,
+    num_warps=4,
+    num_stages=2,
+    backward=jaxattn.FlashBackwardConfig(16, 16, 16, 16, (4, 4), (1, 1)),
+)
 
 GPU_SCALE = 4  # token counts and lengths (> 1) are multiplied by this on a GPU
 DEFAULT_HEAD_DIM = 128 if ON_GPU else 32

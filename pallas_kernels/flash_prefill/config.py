@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels.common import next_power_of_2
+from pallas_kernels.flash_backward.config import FlashBackwardConfig
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -22,12 +23,15 @@ class FlashPrefillConfig:
       block_kv: keys per inner-loop step (a power of two, >= 16).
       num_warps: warps per program.
       num_stages: software-pipelining depth of the KV loop.
+      backward: the tiling of the gradient's kernels (`FlashBackwardConfig`); None picks
+        `FlashBackwardConfig.heuristic` for the shape.
     """
 
     block_q: int = 128
     block_kv: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    backward: FlashBackwardConfig | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):

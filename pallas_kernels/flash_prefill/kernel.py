@@ -51,6 +51,19 @@ from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 from pallas_kernels.flash_prefill.keys import CacheRefs, KeyBlocks
 from pallas_kernels.flash_prefill.logits import TermRefs, TileLogits
 from pallas_kernels.output import FP8, inverse_scale, output_value
+from pallas_kernels.tiles import (
+    _K_START,
+    _KV_LEN,
+    _NUM_REAL,
+    _Q_LEN,
+    _Q_ROWS,
+    _Q_START,
+    _ROW,
+    _SEQ,
+    key_block_range,
+    packed_grid,
+    packed_tile_table,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -62,7 +75,9 @@ class Batch:
     `b*Tk : (b+1)*Tk`, of which the first `q_len[b]` / `kv_len[b]` are real; rows past
     `q_len[b]` output zeros. Packed batches: sequence b owns query rows
     `q_start[b] : q_start[b] + q_rows[b]` (the first `q_len[b]` real) and keys
-    `k_start[b] : k_start[b] + kv_len[b]`.
+    `k_start[b] : k_start[b] + kv_len[b]`; `k_rows[b]` (optional, >= kv_len[b]) says how
+    many key rows from `k_start[b]` it owns for the backward's dK/dV (zeros past kv_len:
+    the trailing padding keys of a packed batch).
 
     All arrays int32 `[S]`; `q_start`, `q_rows`, `k_start` are None for dense batches, and
     so are `q_len` / `kv_len` when every sequence is full (the kernel then has static
@@ -74,6 +89,7 @@ class Batch:
     q_start: Int[Array, " S"] | None = None
     q_rows: Int[Array, " S"] | None = None
     k_start: Int[Array, " S"] | None = None
+    k_rows: Int[Array, " S"] | None = None
     dense: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
@@ -113,41 +129,6 @@ class LogitParams:
     packed_coords: bool = False
     rel_max_distance: int = 0
     rel_bidirectional: bool = False
-
-
-# Columns of the packed tile table: one row of int32 per tile; _NUM_REAL (the same in
-# every row): how many tiles have rows, the first ones after the sort.
-_Q_START, _Q_ROWS, _Q_LEN, _K_START, _KV_LEN, _ROW, _SEQ, _NUM_REAL, _NUM_COLS = range(9)
-# Programs beyond one per `block_q` tokens, for packed batches: tiles cut by sequence ends.
-_SPARE_PROGRAMS = 8
-
-
-def _packed_tile_table(batch: Batch, block_q: int, num_tiles: int, params: LogitParams):
-    """int32 `[num_tiles, _NUM_COLS]`: tile t covers rows `_ROW : _ROW + block_q` of a sequence.
-
-    Tiles are sorted by the number of keys they visit, largest first, so the long causal
-    tiles do not form the tail. Spare tiles (the count is a static bound) come last, with
-    a row past their sequence's end; the kernel's programs stop at `_NUM_REAL`. Built from
-    a few fused elementwise ops and one sort: this runs on every call, next to a kernel of
-    a millisecond or less.
-    """
-    n = (batch.q_rows + block_q - 1) // block_q  # [S] tiles per sequence
-    ends = jnp.cumsum(n)
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)  # [num_tiles]
-    seq = jnp.minimum(seq, n.shape[0] - 1)
-    row = (t - (ends - n)[seq]) * block_q
-    kv_len, q_len = batch.kv_len[seq], batch.q_len[seq]
-    cost = kv_len
-    if params.causal:
-        cost = jnp.minimum(cost, kv_len - q_len + jnp.minimum(row + block_q, q_len))
-    if params.window is not None:
-        cost = jnp.minimum(cost, params.window + block_q + params.sink_tokens)
-    cost = jnp.where(row < batch.q_rows[seq], jnp.maximum(cost, 1), 0)
-    columns = [batch.q_start[seq], batch.q_rows[seq], q_len, batch.k_start[seq], kv_len, row, seq]
-    columns = jax.lax.sort([-cost, *(c.astype(jnp.int32) for c in columns)], num_keys=1)[1:]
-    num_real = jnp.full((num_tiles,), jnp.sum(cost > 0, dtype=jnp.int32))
-    return jnp.stack([*columns, num_real], axis=1)
 
 
 def _flash_prefill_kernel(
@@ -279,34 +260,17 @@ def _flash_prefill_kernel(
         def run(lo, hi, masked, carry, q=q):
             return keys.run(lo, hi, masked, carry, functools.partial(attend, q))
 
-        # Key ranges, in positions: [lo, hi) is what any valid row sees; [full_lo, full_hi)
+        # Key blocks: [lo_b, hi_b) holds what any valid row sees; [full_lo_b, full_hi_b)
         # what every valid row sees, so blocks inside it skip the mask.
-        if isinstance(kv_len, int) and not params.causal and params.window is None:
-            # Full attention of a dense batch without lengths: static trip counts.
-            lo_b, full_lo_b, hi_b, full_hi_b = 0, 0, pl.cdiv(kv_len, block_kv), kv_len // block_kv
-        else:
-            n_valid = jnp.clip(q_len - r0, 0, block_q)
-            p_first = kv_len - q_len + r0
-            p_last = p_first + n_valid - 1
-            hi = jnp.minimum(kv_len, p_last + 1) if params.causal else kv_len
-            # hi = 0 for a tile with no real row. (Integer arithmetic: Triton's lowering of a
-            # select between constants trips over an i1/i32 mix in jax 0.10-0.11.)
-            hi = jnp.maximum(hi, 0) * jnp.minimum(n_valid, 1)
-            full_hi = jnp.minimum(kv_len, p_first + 1) if params.causal else kv_len
-            lo, full_lo = 0, 0
-            if params.window is not None:
-                lo = jnp.maximum(p_first - params.window + 1, 0)
-                full_lo = jnp.maximum(p_last - params.window + 1, 0)
-            hi_b = pl.cdiv(hi, block_kv)
-            lo_b = jnp.minimum(lo // block_kv, hi_b)
-            full_lo_b = jnp.clip(pl.cdiv(full_lo, block_kv), lo_b, hi_b)
-            full_hi_b = jnp.clip(full_hi // block_kv, full_lo_b, hi_b)
+        lo_b, full_lo_b, full_hi_b, hi_b = key_block_range(
+            params, q_len, kv_len, r0, block_q, block_kv
+        )
         if has_mask:  # Every block reads the mask anyway.
             full_hi_b = full_lo_b
 
         carry = softmax_init(block_q, padded_dim)
         if params.window is not None and params.sink_tokens:
-            sink_b = pl.cdiv(jnp.minimum(params.sink_tokens, hi), block_kv)
+            sink_b = jnp.minimum(pl.cdiv(params.sink_tokens, block_kv), hi_b)
             if has_rope:  # Every block holding a sink runs here: it needs both q rotations.
                 lo_b = jnp.maximum(lo_b, sink_b)
                 full_lo_b = jnp.clip(full_lo_b, lo_b, hi_b)
@@ -406,11 +370,8 @@ def flash_prefill(
     else:
         dense_shape = None
         num_seqs = batch.q_len.shape[0]
-        num_tiles = (q.shape[0] + num_seqs * (block_q - 1)) // block_q
-        index = _packed_tile_table(batch, block_q, num_tiles, params)
-        # Each program loops over tiles `first + i * num_programs` below the real count:
-        # a step of many one-token (generation) rows has far fewer tiles than sequences.
-        num_programs = min(num_tiles, pl.cdiv(q.shape[0], block_q) + _SPARE_PROGRAMS)
+        num_tiles, num_programs = packed_grid(q.shape[0], num_seqs, block_q)
+        index = packed_tile_table(batch, block_q, num_tiles, params)
 
     pools, cache_layout = [], None
     if cached is not None:

@@ -1,0 +1,61 @@
+"""Block sizes and launch parameters of the flash backward kernels (dK/dV and dQ)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels.common import next_power_of_2
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBackwardConfig:
+    """Tiling of the two backward kernels: hashable, a static argument.
+
+    The dK/dV kernel holds `block_kv_dkv` keys of one kv head and walks `block_q_dkv` query
+    rows at a time (every query head of the group in turn); the dQ kernel holds `block_q_dq`
+    query rows of one head and walks `block_kv_dq` keys at a time. Each is a power of two
+    >= 16 (Triton's dot minimum). `num_warps` / `num_stages`: per kernel, (dK/dV, dQ).
+    """
+
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 128
+    block_q_dq: int = 128
+    block_kv_dq: int = 64
+    num_warps: tuple[int, int] = (8, 8)
+    num_stages: tuple[int, int] = (2, 2)
+
+    def __post_init__(self):
+        for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
+            size = getattr(self, name)
+            if not (size >= 16 and size & (size - 1) == 0):
+                raise ValueError(f"FlashBackwardConfig: {name}={size} must be a power of 2 >= 16")
+        for w in self.num_warps:
+            if w not in (1, 2, 4, 8, 16):
+                raise ValueError(f"FlashBackwardConfig: num_warps={self.num_warps} not in 1..16")
+        if len(self.num_warps) != 2 or len(self.num_stages) != 2 or min(self.num_stages) < 1:
+            raise ValueError(
+                f"FlashBackwardConfig: num_warps={self.num_warps}, num_stages={self.num_stages}:"
+                " one entry >= 1 per kernel (dK/dV, dQ)"
+            )
+
+    @classmethod
+    def heuristic(cls, q_len: int, kv_len: int, head_dim: int, dtype) -> FlashBackwardConfig:
+        """A config for the shape: `q_len` / `kv_len` per sequence (the maximum)."""
+        padded_dim = next_power_of_2(head_dim)
+        if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
+            config = cls(32, 64, 64, 32, (4, 4), (1, 1))
+        elif padded_dim >= 128:
+            config = cls(64, 128, 128, 64, (8, 8), (2, 2))
+        else:
+            config = cls(64, 128, 128, 64, (4, 4), (2, 2))
+        cap_q = max(16, next_power_of_2(q_len))
+        cap_kv = max(16, next_power_of_2(kv_len))
+        return dataclasses.replace(
+            config,
+            block_q_dkv=min(config.block_q_dkv, cap_q),
+            block_kv_dkv=min(config.block_kv_dkv, cap_kv),
+            block_q_dq=min(config.block_q_dq, cap_q),
+            block_kv_dq=min(config.block_kv_dq, cap_kv),
+        )
