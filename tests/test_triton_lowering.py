@@ -104,6 +104,54 @@ def test_packed_lowers_to_triton(options):
     assert "triton" in text
 
 
+@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (80, jnp.float32)])
+def test_dense_gradient_lowers_to_triton(name, head_dim, dtype):
+    """The backward kernels (dK/dV, dQ and the extras' gradients) lower too."""
+    arrays, static = _split(DENSE[name])
+    rel = static.pop("relative_bias", None)
+    if rel is not None:
+        arrays["table"] = _spec(rel.table.shape, jnp.float32)
+
+    def loss(q, k, v, arrays):
+        arrays = dict(arrays)
+        if "table" in arrays:
+            table = arrays.pop("table")
+            arrays["relative_bias"] = jaxattn.RelativeBias(table, rel.max_distance,
+                                                           rel.bidirectional)  # fmt: skip
+        out = jaxattn.attention(q, k, v, implementation="pallas", **static, **arrays)
+        out = out[0] if isinstance(out, tuple) else out
+        return jnp.sum(out.astype(jnp.float32))
+
+    float_arrays = {n: a for n, a in arrays.items() if a.dtype != jnp.int32 and n != "mask"}
+    fn = jax.jit(
+        jax.grad(lambda q, k, v, f, rest: loss(q, k, v, {**f, **rest}), argnums=(0, 1, 2, 3))
+    )
+    rest = {n: a for n, a in arrays.items() if n not in float_arrays}
+    q = _spec((B, TQ, HQ, head_dim), dtype)
+    kv = _spec((B, TK, HKV, head_dim), dtype)
+    text = _lower(fn, q, kv, kv, float_arrays, rest)
+    assert "flash_backward_dq" in text and "flash_backward_dkdv" in text
+
+
+def test_packed_gradient_lowers_to_triton():
+    def loss(q, k, v, cu, bias):
+        out = jaxattn.ragged_attention(q, k, v, cu, cu, causal=True, bias=bias, window=33,
+                                       sink_tokens=4, implementation="pallas")  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32))
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+    text = _lower(
+        fn,
+        _spec((300, HQ, 128)),
+        _spec((300, HKV, 128)),
+        _spec((300, HKV, 128)),
+        _spec((5,), jnp.int32),
+        _spec((HQ, 300, 300), jnp.float32),
+    )
+    assert "flash_backward_dq" in text and "flash_backward_dkdv" in text
+
+
 def test_interpret_override_is_respected():
     """The env switch is what the tests above rely on: it must reach the kernel."""
     from pallas_kernels.common import use_interpret

@@ -73,7 +73,6 @@ class FlashPrefillConfig:
         14k prefix runs at 348 TFLOP/s on 128x64x8x3, against 284 on 128x128x8x3 and
         279 on 64x32x4x3 (session-6 sweep, bench/RESULTS.md).
         """
-        del kv_len, causal  # Same tiling for both on the measured rows.
         padded_dim = next_power_of_2(head_dim)
         if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 2
@@ -84,7 +83,11 @@ class FlashPrefillConfig:
         elif padded_dim >= 128 and packed:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 3
         elif padded_dim >= 128:
-            block_q, block_kv, num_warps, num_stages = 128, 128, 8, 3
+            # Full attention without lengths runs its key loop with static bounds; when
+            # the last block is cut (kv_len not a multiple of 128), three stages ask for
+            # 288 KiB of shared memory (H100: 227) and the launch fails; two fit.
+            cut = not causal and not lengths and kv_len % 128 != 0
+            block_q, block_kv, num_warps, num_stages = 128, 128, 8, 2 if cut else 3
         else:
             block_q, block_kv, num_warps, num_stages = 128, 64, 4, 3
         block_q = min(block_q, max(16, next_power_of_2(q_len)))
