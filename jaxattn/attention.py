@@ -1,8 +1,12 @@
 """Context-phase attention: `attention` (dense, padded) and `ragged_attention` (packed).
 
 Both validate at trace time, then dispatch to the Pallas flash kernel (`"pallas"`) or the
-pure-jnp reference (`"xla"`). Gradients come from a custom VJP whose backward pass
-recomputes through the reference (a Pallas backward kernel is future work). An FP8 output
+pure-jnp reference (`"xla"`). Gradients come from a custom VJP. With `"pallas"` its forward
+saves q, k, v, the output and the float32 log-sum-exp (nothing of size Tq x Tk) and its
+backward runs the flash backward kernels (`pallas_kernels.flash_backward`: dK/dV and dQ,
+deterministic, GQA summed in-kernel), for every option the forward takes; the gradients of
+a bias, the ALiBi slopes and a T5 table are computed only when they are differentiated
+(symbolic zeros). With `"xla"` the backward differentiates the reference. An FP8 output
 (`out_dtype=float8_e4m3fn`) is an inference format: it has no gradient, and differentiating
 it raises.
 """
@@ -408,6 +412,13 @@ def attention(
     Returns:
       out `[B, Tq, Hq, D]` in `out_dtype` (default q's); rows with no visible key are
       zeros. With `return_lse`, `(out, lse)` (lse float32 whatever `out_dtype`).
+
+    Gradients (`jax.grad`, first order) flow to q, k, v, `bias`, `alibi_slopes` and the
+    `relative_bias` table, and through the lse too. With `"pallas"` they come from the
+    flash backward kernels in memory linear in the sequence length, deterministically (the
+    same bits on every run: no atomics), in the inputs' dtypes with float32 accumulation;
+    rows with no visible key get zero gradient. A differentiated `bias` costs one float32
+    `[B, Hq, Tq, Tk]` buffer (its gradient before the sum over broadcast axes).
     """
     static, extras, out_scale = _prepare(
         q,
@@ -470,6 +481,10 @@ def ragged_attention(
     Returns:
       out `[Tq_total, Hq, D]` in `out_dtype` (default q's); with `return_lse`, also lse
       float32 `[Hq, Tq_total]`.
+
+    Gradients: as `attention` (flash backward kernels with `"pallas"`); nothing flows
+    between sequences, and the padding rows past `cu_seqlens_q[-1]` / `cu_seqlens_k[-1]`
+    get exact zeros.
     """
     validation.check_qkv(q, k, v, packed=True)
     if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
