@@ -271,13 +271,20 @@ def relative_error(out: jax.Array, ref: jax.Array) -> float:
     return float(jnp.sqrt(jnp.sum((out - ref) ** 2) / jnp.sum(ref**2)))
 
 
-def check_close(out: jax.Array, ref: jax.Array, name: str, tol: float) -> tuple[bool, str]:
-    """(passed, message); NaN never passes."""
-    if out.shape != ref.shape:
-        return False, f"{name}: shape {out.shape} != reference {ref.shape}"
-    err = relative_error(out, ref)
-    passed = err <= tol  # False for NaN
-    return passed, f"err {err:.1e}" if passed else f"{name}: rel err {err:.1e} > tol {tol:.0e}"
+def check_close(out, ref, name: str, tol: float) -> tuple[bool, str]:
+    """(passed, message); NaN never passes. `out` and `ref` are arrays, or tuples of arrays
+    (gradients) checked each against its reference: every error must pass, and the
+    message lists them in order."""
+    outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+    if not isinstance(outs, tuple) or len(outs) != len(refs):
+        return False, f"{name}: {type(out).__name__} output, reference of {len(refs)} arrays"
+    for o, r in zip(outs, refs, strict=True):
+        if o.shape != r.shape:
+            return False, f"{name}: shape {o.shape} != reference {r.shape}"
+    errs = [relative_error(o, r) for o, r in zip(outs, refs, strict=True)]
+    passed = all(err <= tol for err in errs)  # False for NaN
+    listed = "/".join(f"{err:.1e}" for err in errs)
+    return passed, f"err {listed}" if passed else f"{name}: rel err {listed} > tol {tol:.0e}"
 
 
 def describe_error(e: Exception) -> str:
