@@ -179,8 +179,11 @@ def attention_reference(
     visible = visible[:, None]  # [B, 1, Tq, Tk]
     if mask is not None:
         visible = visible & mask
-    # Padding keys get zero weight, but 0 * NaN is NaN: padding values must not leak.
-    v = jnp.where((k_pos < kv_len[:, None])[:, :, None, None], v, 0)
+    # Padding keys and rows get zero weight, but 0 * NaN is NaN: padding values must not
+    # leak, into the output or (through dq = ds @ k, dk = ds^T @ q) the gradients.
+    k_ok = (k_pos < kv_len[:, None])[:, :, None, None]
+    k, v = jnp.where(k_ok, k, 0), jnp.where(k_ok, v, 0)
+    q = jnp.where((rows[None, :] < q_len[:, None])[:, :, None, None], q, 0)
     out, lse = _attend(
         q,
         k,
@@ -256,7 +259,9 @@ def ragged_attention_reference(
     visible = visible[None, None]  # [1, 1, Tq, Tk]
     if mask is not None:
         visible = visible & mask[None]
-    v = jnp.where(k_valid[:, None, None], v, 0)  # padding values must not leak (0 * NaN)
+    # Padding values must not leak (0 * NaN), into the output or the gradients.
+    k, v = jnp.where(k_valid[:, None, None], k, 0), jnp.where(k_valid[:, None, None], v, 0)
+    q = jnp.where(q_valid[:, None, None], q, 0)
     out, lse = _attend(
         q[None],
         k[None],

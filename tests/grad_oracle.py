@@ -80,8 +80,8 @@ def _dense(
     lowp,
 ):
     """Forward and backward on `[B, Tq, Hq, D]` / `[B, Tk, Hkv, D]`; bias, mask already
-    broadcast to `[B, Hq, Tq, Tk]`. Returns out, lse and a dict of float64 gradients with
-    d_bias at full shape."""
+    broadcast to `[B, Hq, Tq, Tk]`. Returns a `GradResult` whose "bias" gradient and flows
+    are at that full shape."""
     batch, tq, num_q_heads, head_dim = q.shape
     tk, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads

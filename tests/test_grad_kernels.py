@@ -10,8 +10,9 @@ logits); close to the oracle (float32: a tight tolerance; bf16/fp16: FlashAttent
 error <= 2x that of a plain low-precision computation, plus a small atol); and the jitted
 gradient run twice gives the same bits. Padding rows of q/k/v hold huge finite values.
 
-Each distinct shape/option set compiles the kernels again (~1 s+ per kernel in interpret
-mode on CPU), so the options are merged into few cases with many checks each.
+Each distinct shape/option set compiles the kernels again (the forward and both backward
+kernels: ~4 s a case in interpret mode on CPU), so the options are merged into few cases
+with many checks each.
 """
 
 from __future__ import annotations
@@ -206,8 +207,9 @@ def run_and_check(prob: Problem, *, return_lse: bool = True, diff=None):
     for name in diff:
         x = params[name]
         assert got[name].dtype == x.dtype, f"d{name}: dtype {got[name].dtype} != {x.dtype}"
+        what = f"{name} (padding rows of q/k/v poisoned with huge finite values)"
         assert_grad_close(
-            got[name], want[name], oracle.flows[name], prob.dtype, name, ref_errs.get(name)
+            got[name], want[name], oracle.flows[name], prob.dtype, what, ref_errs.get(name)
         )
     # Deterministic: no atomics or order-dependent reductions (the same bits run to run).
     again = grad(params, consts)
@@ -528,3 +530,49 @@ def test_grad_memory_is_linear():
     if kernels < 2:
         pytest.xfail(f"the backward recomputes through the dense reference ({report})")
     assert ratios["pallas"] < 6, f"pallas grad temp memory is not linear in S: {report}"
+
+
+@pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
+def test_grad_nan_padding_does_not_leak(impl):
+    """NaN in padding rows of q, k and v (past the lengths, dense; past cu_seqlens[-1],
+    packed): every gradient finite, and the padding rows' gradients exactly 0."""
+    rng = util.rng_for("nan padding", impl)
+    hq, hkv, d = 4, 2, util.DEFAULT_HEAD_DIM
+    tq, tk = util.tokens(19), util.tokens(35)
+    q_len, kv_len = util.tokens(11), util.tokens(23)
+    q, g = (util.randn(rng, (2, tq, hq, d)) for _ in range(2))
+    k, v = (util.randn(rng, (2, tk, hkv, d)) for _ in range(2))
+    # Sequence 0 is short (its padding poisoned); sequence 1 is full (and clean).
+    q = q.at[0, q_len:].set(jnp.nan)
+    k, v = (x.at[0, kv_len:].set(jnp.nan) for x in (k, v))
+    lengths = dict(q_lengths=jnp.array([q_len, tq]), kv_lengths=jnp.array([kv_len, tk]))
+
+    def dense_loss(q, k, v):
+        out = jaxattn.attention(q, k, v, causal=True, implementation=impl,
+                                config=util.kernel_config(), **lengths)  # fmt: skip
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0) * g)
+
+    dq, dk, dv = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(q, k, v)
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert np.isfinite(np.asarray(grad)).all(), f"dense {name}: non-finite"
+    assert (np.asarray(dq)[0, q_len:] == 0).all()
+    assert (np.asarray(dk)[0, kv_len:] == 0).all() and (np.asarray(dv)[0, kv_len:] == 0).all()
+
+    cu_q, cu_k = jnp.array([0, q_len, q_len + 3]), jnp.array([0, kv_len, kv_len + 5])
+    qp, kp, vp = q[1], k[1], v[1]  # rows past cu[-1] are padding: poison them
+    qp, kp, vp = (
+        qp.at[q_len + 3 :].set(jnp.nan),
+        kp.at[kv_len + 5 :].set(jnp.nan),
+        vp.at[kv_len + 5 :].set(jnp.nan),
+    )
+
+    def packed_loss(q, k, v):
+        out = jaxattn.ragged_attention(q, k, v, cu_q, cu_k, causal=True, implementation=impl,
+                                       config=util.kernel_config())  # fmt: skip
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0) * g[1])
+
+    dq, dk, dv = jax.jit(jax.grad(packed_loss, argnums=(0, 1, 2)))(qp, kp, vp)
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert np.isfinite(np.asarray(grad)).all(), f"packed {name}: non-finite"
+    assert (np.asarray(dq)[q_len + 3 :] == 0).all()
+    assert (np.asarray(dk)[kv_len + 5 :] == 0).all() and (np.asarray(dv)[kv_len + 5 :] == 0).all()

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_power_of_2
-from pallas_kernels.flash_backward.tile import QuerySide, logit_grads, tile_at
+from pallas_kernels.flash_backward.tile import QuerySide, load_keys, logit_grads, tile_at
 from pallas_kernels.flash_prefill.logits import TermRefs, TileLogits
 from pallas_kernels.tiles import _NUM_REAL, query_block_range
 
@@ -45,11 +45,7 @@ def _dkdv_kernel(*refs, params, has, block_q, block_kv, head_dim, group, dense_s
     def one_tile(tile_id):
         tile = tile_at(index_ref, tile_id, dense_shape, block_kv, first_blocks_first=True)
         c0 = tile.row
-        keys = c0 + jnp.arange(block_kv)
-        at = (pl.ds(tile.k_start + c0, block_kv), kvh, dims)
-        in_array = ((tile.k_start + keys) < k_ref.shape[0])[:, None] & dim_ok
-        k = plgpu.load(k_ref.at[at], mask=in_array, other=0.0)  # [block_kv, Dp]
-        v = plgpu.load(v_ref.at[at], mask=in_array, other=0.0)
+        k, v = load_keys(k_ref, v_ref, tile, kvh, c0, block_kv, dims, dim_ok)  # [block_kv, Dp]
 
         def block(h, masked, qb, carry):
             dk, dv = carry  # float32 [block_kv, Dp]
@@ -81,6 +77,7 @@ def _dkdv_kernel(*refs, params, has, block_q, block_kv, head_dim, group, dense_s
 
         zeros = jnp.zeros((block_kv, padded_dim), jnp.float32)
         dk, dv = jax.lax.fori_loop(0, group, head, (zeros, zeros))
+        at = (pl.ds(tile.k_start + c0, block_kv), kvh, dims)
         store = ((c0 + jnp.arange(block_kv)) < tile.k_rows)[:, None] & dim_ok
         plgpu.store(dk_ref.at[at], (dk * params.scale).astype(dk_ref.dtype), mask=store)
         plgpu.store(dv_ref.at[at], dv.astype(dv_ref.dtype), mask=store)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_power_of_2, relative_position_bucket
-from pallas_kernels.flash_backward.tile import QuerySide, logit_grads, tile_at
+from pallas_kernels.flash_backward.tile import QuerySide, load_keys, logit_grads, tile_at
 from pallas_kernels.flash_prefill.logits import TermRefs, TileLogits
 from pallas_kernels.tiles import _NUM_REAL, key_block_range
 
@@ -70,10 +70,7 @@ def _dq_kernel(*refs, params, has, grads_of, block_q, block_kv, head_dim, group,
             dq, slope, table = carry
             k0 = kb * block_kv
             keys = k0 + jnp.arange(block_kv)
-            at = (pl.ds(tile.k_start + k0, block_kv), kvh, dims)
-            in_array = ((tile.k_start + keys) < k_ref.shape[0])[:, None] & dim_ok
-            k = plgpu.load(k_ref.at[at], mask=in_array, other=0.0)  # [block_kv, Dp]
-            v = plgpu.load(v_ref.at[at], mask=in_array, other=0.0)
+            k, v = load_keys(k_ref, v_ref, tile, kvh, k0, block_kv, dims, dim_ok, masked)
             s = logits(q, k, k0, masked)  # [block_q, block_kv], base 2
             _, dz = logit_grads(s, v, do, lse2, delta, params.soft_cap, precision)
             f32 = jnp.float32

@@ -68,6 +68,24 @@ def tile_at(index_ref, tile, dense_shape, block: int, first_blocks_first: bool) 
                 block_index * block)  # fmt: skip
 
 
+def load_keys(k_ref, v_ref, tile: Tile, kvh, k0, block_kv: int, dims, dim_ok, masked=True):
+    """K and V `[block_kv, Dp]` of keys `k0..` of kv head `kvh`. With `masked`, keys past
+    `kv_len` (padding, or the next sequence's rows) read zeros: their probabilities are 0,
+    but `dP = dO V^T` of a garbage V could overflow, and 0 * inf is NaN. Unmasked blocks
+    lie wholly below kv_len."""
+    at = (pl.ds(tile.k_start + k0, block_kv), kvh, dims)
+    if masked:
+        ok = ((k0 + jnp.arange(block_kv)) < tile.kv_len)[:, None] & dim_ok
+    elif dim_ok.shape[-1] != k_ref.shape[-1]:  # a head dim padded to a power of two
+        ok = jnp.broadcast_to(dim_ok, (block_kv, dim_ok.shape[-1]))
+    else:
+        ok = None
+    other = None if ok is None else 0.0
+    return plgpu.load(k_ref.at[at], mask=ok, other=other), plgpu.load(
+        v_ref.at[at], mask=ok, other=other
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class QuerySide:
     """The query-side refs: q and dO `[Tq_all, Hq, D]`; lse2 (base-2 lse, +inf for rows
@@ -80,15 +98,14 @@ class QuerySide:
 
     def load(self, h, tile: Tile, r0, block_q: int, dims, dim_ok):
         """q, dO `[block_q, Dp]` and lse2, delta `[block_q]` of rows `r0..` of head `h`.
-        Rows past `q_len` (padding, or the next sequence's) read lse2 = +inf: their
-        probabilities are 0 and they add nothing."""
+        Rows past `q_len` (padding, or the next sequence's) read zeros and lse2 = +inf:
+        their probabilities are 0 and they add nothing, whatever the padding holds (a
+        huge q would overflow the logits to inf, and inf - inf is NaN)."""
         rows = r0 + jnp.arange(block_q)
-        packed_rows = tile.q_start + rows
-        in_array = (packed_rows < self.q.shape[0])[:, None] & dim_ok
-        at = (pl.ds(tile.q_start + r0, block_q), h, dims)
-        q = plgpu.load(self.q.at[at], mask=in_array, other=0.0)
-        do = plgpu.load(self.do.at[at], mask=in_array, other=0.0)
         real = rows < tile.q_len
+        at = (pl.ds(tile.q_start + r0, block_q), h, dims)
+        q = plgpu.load(self.q.at[at], mask=real[:, None] & dim_ok, other=0.0)
+        do = plgpu.load(self.do.at[at], mask=real[:, None] & dim_ok, other=0.0)
         cols = pl.ds(tile.q_start + r0, block_q)
         lse2 = plgpu.load(self.lse2.at[h, cols], mask=real, other=float("inf"))
         delta = plgpu.load(self.delta.at[h, cols], mask=real, other=0.0)
