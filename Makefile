@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 GPU_PY ?= python3
 GPU_WORKERS ?= 12
 
-.PHONY: demo test test-gpu test-gpu-dense test-gpu-rest bench lint clean
+.PHONY: demo test test-gpu test-gpu-dense test-gpu-grad test-gpu-rest bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,21 +22,26 @@ test: $(VENV)/.installed
 
 # The same suite with the kernels compiled for the GPU (bf16 tolerances, bigger shapes).
 # Triton compiles are CPU-bound: GPU_WORKERS workers share the GPU, none preallocating memory.
-# Two halves of about equal work, so each fits a GPU machine's 10-minute limit on one
-# command (the whole suite took over 11 min on an H100 with 12 workers; test_attention's
-# head-dim sweep alone ~4 min): the dense ops' suites (attention, reference), then every
-# other file (a new test file lands in the second half).
+# Three parts, so each fits a GPU machine's 10-minute limit on one command (the whole
+# suite takes about 20 min on an H100): the dense ops' suites (attention, reference; 6.5
+# min), the gradient suites (about 7 min), then every other file (a new test file lands
+# in the last part).
 GPU_PYTEST = XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PY) -m pytest -q -rf \
 	--tb=line -p no:cacheprovider -n $(GPU_WORKERS)
 GPU_DENSE_TESTS = tests/test_attention.py tests/test_reference.py
+GPU_GRAD_TESTS = tests/test_grad.py tests/test_grad_kernels.py tests/test_train_example.py \
+	tests/test_nn.py
 
-test-gpu: test-gpu-dense test-gpu-rest
+test-gpu: test-gpu-dense test-gpu-grad test-gpu-rest
 
 test-gpu-dense:
 	$(GPU_PYTEST) $(GPU_DENSE_TESTS)
 
+test-gpu-grad:
+	$(GPU_PYTEST) $(GPU_GRAD_TESTS)
+
 test-gpu-rest:
-	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS)) tests
+	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS) $(GPU_GRAD_TESTS)) tests
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run
