@@ -18,7 +18,8 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples notebooks
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 tests --ignore=tests/parallel
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 tests/parallel
 
 # The same suite with the kernels compiled for the GPU (bf16 tolerances, bigger shapes).
 # Triton compiles are CPU-bound: GPU_WORKERS workers share the GPU, none preallocating memory.
@@ -41,7 +42,7 @@ test-gpu-grad:
 	$(GPU_PYTEST) $(GPU_GRAD_TESTS)
 
 test-gpu-rest:
-	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS) $(GPU_GRAD_TESTS)) tests
+	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS) $(GPU_GRAD_TESTS) tests/parallel) tests
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import reference, validation
 from jaxattn.dispatch import run_first
+from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, Out, like, run_sharded
 from jaxattn.positional import RelativeBias
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
@@ -101,11 +102,38 @@ def _batch(static: _Static, q, k, lengths) -> Batch:
     return Batch(q_len=q_len, kv_len=kv_len)
 
 
+def _roles(static: _Static):
+    """Axis roles of (q, k, v, lengths, alibi, bias, mask, rel_table) and of out and lse,
+    for the partition rules (`jaxattn.parallel.partition`)."""
+    if static.packed:
+        q, kv, length, lse = (None, HEADS, None), (None, KV_HEADS, None), (None,), (HEADS, None)
+    else:
+        q, kv, length = (BATCH, None, HEADS, None), (BATCH, None, KV_HEADS, None), (BATCH,)
+        lse = (BATCH, HEADS, None)
+    extras = ((HEADS,), (BATCH, HEADS, None, None), (BATCH, HEADS, None, None), (HEADS, None))
+    return (q, kv, kv, length, length, *extras), q, lse
+
+
 def _pallas(static: _Static, config, qkv, lengths, extras, out_scale=None):
-    q, k, v = qkv
+    """The flash kernel, shard-local on arrays split along batch and heads."""
+    ins, q_roles, lse_roles = _roles(static)
+    run = functools.partial(_pallas_local, static, config)
+    out, lse = run_sharded(
+        run,
+        (*qkv, *lengths, *extras, out_scale),
+        (*ins, ()),
+        (Out(q_roles), Out(lse_roles)),
+        name="attention",
+    )
+    return out, lse
+
+
+def _pallas_local(
+    static: _Static, config, q, k, v, len_q, len_k, alibi, bias, mask, rel_table, out_scale
+):
     if static.out_fp8:
         validation.check_fp8_kernel_output()
-    alibi, bias, mask, rel_table = extras
+    lengths = (len_q, len_k)
     params = _params(static)
     if config is None:
         max_q, max_kv = _max_lengths(static, q, k)
@@ -214,36 +242,75 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
         g_qkv, g_alibi, g_bias, g_rel = vjp((g_out.astype(out.dtype), g_lse))
         return g_qkv, None, (g_alibi, g_bias, None, g_rel)
 
-    q, k, v = qkv
     out, lse = saved
-    g_out = _dense_cotangent(g_out, out)
+    g_out = _dense_cotangent(g_out, out).astype(out.dtype)
     g_lse = None if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) else g_lse
+    grads_of = ("bias" in needs, "alibi" in needs, "rel_table" in needs)
+    ins, q_roles, lse_roles = _roles(static)
+    q_in, k_in, v_in, len_q, len_k, *extra_roles = ins
+    alibi_r, bias_r, _, rel_r = extra_roles
+    run = functools.partial(_backward_local, static, config, grads_of)
+    dq, dk, dv, d_bias, d_alibi, d_rel = run_sharded(
+        run,
+        (*qkv, out, lse, g_out, g_lse, *lengths, *extras),
+        (q_in, k_in, v_in, q_roles, lse_roles, q_roles, lse_roles, len_q, len_k, *extra_roles),
+        (
+            Out(q_in),
+            Out(k_in),
+            Out(v_in),
+            Out(bias_r, sums=True),
+            Out(alibi_r, sums=True),
+            Out(rel_r, sums=True),
+        ),
+        name="attention (gradient)",
+    )
+    cast = lambda g, x: None if g is None else like(g.astype(x.dtype), x)  # noqa: E731
+    return (
+        tuple(cast(g, x) for g, x in zip((dq, dk, dv), qkv, strict=True)),
+        None,
+        (cast(d_alibi, alibi), cast(d_bias, bias), None, cast(d_rel, rel_table)),
+    )
+
+
+def _backward_local(
+    static: _Static,
+    config,
+    grads_of,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    g_out,
+    g_lse,
+    len_q,
+    len_k,
+    alibi,
+    bias,
+    mask,
+    rel_table,
+):
+    """The flash backward kernels on one shard: (dq, dk, dv, d_bias, d_alibi, d_rel)."""
     backward = None if config is None else config.backward
     if backward is None:
         backward = FlashBackwardConfig.heuristic(*_max_lengths(static, q, k), q.shape[-1], q.dtype)
-    dq, dk, dv, d_bias, d_alibi, d_rel = flash_backward(
+    return flash_backward(
         q,
         k,
         v,
         out,
         lse,
-        g_out.astype(out.dtype),
+        g_out,
         g_lse,
-        _batch(static, q, k, lengths),
+        _batch(static, q, k, (len_q, len_k)),
         bias=bias,
         mask=mask,
         alibi_slopes=alibi,
         rel_table=rel_table,
         params=_params(static),
         config=backward,
-        grads_of=("bias" in needs, "alibi" in needs, "rel_table" in needs),
+        grads_of=grads_of,
         interpret=use_interpret(),
-    )
-    cast = lambda g, like: None if g is None else g.astype(like.dtype)  # noqa: E731
-    return (
-        (dq, dk, dv),
-        None,
-        (cast(d_alibi, alibi), cast(d_bias, bias), None, cast(d_rel, rel_table)),
     )
 
 

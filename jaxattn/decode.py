@@ -7,6 +7,7 @@ data-dependent invariants that shapes cannot show.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -18,6 +19,7 @@ from jaxtyping import Array, Float, Int
 from jaxattn import reference, validation
 from jaxattn.cache import PagedKVCache
 from jaxattn.dispatch import run_first
+from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, Out, run_sharded
 from pallas_kernels.common import use_interpret
 from pallas_kernels.paged_decode import CacheFormat, DecodeParams, PagedDecodeConfig
 from pallas_kernels.paged_decode import paged_decode as _paged_decode_kernel
@@ -207,6 +209,75 @@ def _pallas(
     out_dtype,
     out_scale,
 ):
+    """The decode kernel, shard-local on a query split by heads (and by sequence, without
+    beams) and a cache split by kv head (`jaxattn.parallel.shard_cache`)."""
+    batch = None if cache_indirection is not None else BATCH  # beams index across rows
+    pool = (None, KV_HEADS, None, None)
+    scales = () if cache.k_scales is None or cache.k_scales.ndim == 0 else pool
+    alibi = None if alibi_slopes is None else jnp.asarray(alibi_slopes)
+    static = dict(
+        window=window,
+        sink_tokens=sink_tokens,
+        soft_cap=soft_cap,
+        scale=scale,
+        config=config,
+        out_dtype=out_dtype,
+        quant=cache.quant,
+    )
+    return run_sharded(
+        functools.partial(_pallas_local, **static),
+        (
+            q,
+            cache.k_pages,
+            cache.v_pages,
+            cache.k_scales,
+            cache.v_scales,
+            block_tables,
+            context_lens,
+            cache_indirection,
+            alibi,
+            out_scale,
+        ),
+        (
+            (batch, HEADS, None),
+            pool,
+            pool,
+            scales,
+            scales,
+            (batch, None),
+            (batch,),
+            (None, None, None),
+            (HEADS,),
+            (),
+        ),
+        (Out((batch, HEADS, None)), Out((batch, HEADS))),
+        name="paged_decode",
+    )
+
+
+def _pallas_local(
+    q,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    block_tables,
+    context_lens,
+    cache_indirection,
+    alibi_slopes,
+    out_scale,
+    *,
+    window,
+    sink_tokens,
+    soft_cap,
+    scale,
+    config,
+    out_dtype,
+    quant,
+):
+    cache = PagedKVCache(
+        k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales, quant=quant
+    )
     fp8 = out_dtype == validation.FP8_OUT
     if fp8:
         validation.check_fp8_kernel_output()
@@ -233,7 +304,7 @@ def _pallas(
         context_lens,
         k_scales=cache.k_scales,
         v_scales=cache.v_scales,
-        alibi_slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+        alibi_slopes=alibi_slopes,
         cache_indirection=cache_indirection,
         params=params,
         config=config,

@@ -1,0 +1,252 @@
+"""Partition rules: the kernels on arrays sharded along batch and heads run shard-local.
+
+Each case runs the jitted op on sharded inputs (auto axes: the partitioner's
+custom_partitioning; explicit axes: shard_map from the types) and checks the result and
+gradients against the unsharded reference, the output's sharding, and that the compiled
+program gathers no operand."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxattn
+from jaxattn.parallel import cache_sharding, shard_cache
+from pallas_kernels.flash_backward import FlashBackwardConfig
+from pallas_kernels.flash_prefill import FlashPrefillConfig
+
+CONFIG = FlashPrefillConfig(
+    block_q=16,
+    block_kv=16,
+    num_warps=4,
+    num_stages=1,
+    backward=FlashBackwardConfig(16, 16, 16, 16, (4, 4), (1, 1)),
+)
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _mesh(explicit: bool):
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+
+
+def _put(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+_GATHER = re.compile(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(")
+
+
+def _gathered_sizes(f, *args) -> list[int]:
+    """Element counts of the all-gathers in f's compiled program."""
+    hlo = f.lower(*args).compile().as_text()
+    sizes = []
+    for dims in _GATHER.findall(hlo):
+        sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return sizes
+
+
+def _no_operand_gather(f, *args, below: int = 64):
+    """No all-gather of anything larger than `below` elements (a gradient of 8 ALiBi slopes
+    resharded to its primal's replicated type may be gathered; q, k, v never)."""
+    sizes = _gathered_sizes(f, *args)
+    assert all(n < below for n in sizes), f"all-gathers of {sizes} elements"
+
+
+def _spec(x) -> tuple:
+    spec = tuple(x.sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def _qkv(key, batch, tokens, heads, kv_heads, dim=16):
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (batch, tokens, heads, dim))
+    k = jax.random.normal(ks[1], (batch, tokens, kv_heads, dim))
+    v = jax.random.normal(ks[2], (batch, tokens, kv_heads, dim))
+    g = jax.random.normal(ks[3], (batch, tokens, heads, dim))
+    return q, k, v, g
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["kv-split", "kv-replicated"])
+def test_attention_and_gradient_stay_sharded(explicit, kv_heads):
+    """Batch over 'data', heads over 'model' (4 shards): with 4 kv heads each shard holds
+    one; with 2, kv heads are replicated and each shard slices the one its queries read."""
+    mesh = _mesh(explicit)
+    q, k, v, g = _qkv(jax.random.key(kv_heads + 10 * explicit), 2, 32, 8, kv_heads)
+    slopes = jaxattn.alibi_slopes(8)
+    kv_axis = "model" if kv_heads % 4 == 0 else None
+    args = (
+        _put(mesh, q, "data", None, "model"),
+        _put(mesh, k, "data", None, kv_axis),
+        _put(mesh, v, "data", None, kv_axis),
+        _put(mesh, slopes),
+    )
+
+    def attend(q, k, v, slopes, impl="pallas"):
+        return jaxattn.attention(
+            q, k, v, causal=True, alibi_slopes=slopes, implementation=impl, config=CONFIG
+        )
+
+    def loss(q, k, v, slopes, impl="pallas"):
+        return jnp.sum(attend(q, k, v, slopes, impl) * g)
+
+    forward = jax.jit(attend)
+    out = forward(*args)
+    np.testing.assert_allclose(out, attend(q, k, v, slopes, "xla"), **TOL)
+    assert _spec(out) == ("data", None, "model", None)
+    _no_operand_gather(forward, *args)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    grads = grad(*args)
+    expected = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes, "xla")
+    for got, want, x in zip(grads, expected, args, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert _spec(got)[:3] == _spec(x)[:3] or not explicit  # types match in explicit mode
+    assert _spec(grads[0]) == ("data", None, "model", None)
+    _no_operand_gather(grad, *args)
+
+
+def test_bias_gradient_summed_over_the_batch_shards():
+    """A bias broadcast over the batch ([1, H, Tq, Tk]) gets its gradient summed over the
+    'data' shards; a per-head one split like the heads."""
+    mesh = _mesh(False)
+    q, k, v, g = _qkv(jax.random.key(3), 2, 16, 4, 4)
+    bias = jax.random.normal(jax.random.key(4), (1, 4, 16, 16))
+    args = (
+        _put(mesh, q, "data", None, "model"),
+        _put(mesh, k, "data", None, "model"),
+        _put(mesh, v, "data", None, "model"),
+        _put(mesh, bias, None, "model"),
+    )
+
+    def loss(q, k, v, bias, impl="pallas"):
+        out = jaxattn.attention(q, k, v, bias=bias, implementation=impl, config=CONFIG)
+        return jnp.sum(out * g)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 3)))
+    dq, d_bias = grad(*args)
+    want_dq, want_bias = jax.grad(loss, argnums=(0, 3))(q, k, v, bias, "xla")
+    np.testing.assert_allclose(dq, want_dq, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(d_bias, want_bias, rtol=1e-4, atol=1e-4)
+    _no_operand_gather(grad, *args)
+
+
+def test_ragged_attention_split_by_heads():
+    mesh = _mesh(False)
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (40, 8, 16))
+    k = jax.random.normal(ks[1], (40, 4, 16))
+    v = jax.random.normal(ks[2], (40, 4, 16))
+    cu = jnp.array([0, 13, 30, 37], jnp.int32)
+
+    def attend(q, k, v, impl="pallas"):
+        return jaxattn.ragged_attention(
+            q, k, v, cu, cu, causal=True, implementation=impl, config=CONFIG
+        )
+
+    args = (
+        _put(mesh, q, None, "model"),
+        _put(mesh, k, None, "model"),
+        _put(mesh, v, None, "model"),
+    )
+    f = jax.jit(attend)
+    out = f(*args)
+    np.testing.assert_allclose(out, attend(q, k, v, "xla"), **TOL)
+    assert _spec(out) == (None, "model", None)
+    _no_operand_gather(f, *args)
+
+
+def test_vmap_of_a_sharded_call():
+    """vmap over the kernel's partitioned call: the vmapped axis whole, the rest split."""
+    mesh = _mesh(False)
+    q, k, v, _ = _qkv(jax.random.key(6), 6, 16, 8, 4)
+    q, k, v = (x.reshape(3, 2, *x.shape[1:]) for x in (q, k, v))
+
+    def attend(q, k, v, impl="pallas"):
+        return jaxattn.attention(q, k, v, causal=True, implementation=impl, config=CONFIG)
+
+    args = [_put(mesh, x, None, "data", None, "model") for x in (q, k, v)]
+    out = jax.jit(jax.vmap(attend))(*args)
+    np.testing.assert_allclose(out, jax.vmap(lambda *a: attend(*a, impl="xla"))(q, k, v), **TOL)
+    assert _spec(out) == (None, "data", None, "model", None)
+
+
+def _filled_cache(kv_heads, quant=None):
+    """A cache of 4 sequences (lengths 40, 17, 33, 5) in scattered pages of 8 tokens."""
+    cache = jaxattn.PagedKVCache.create(32, 8, kv_heads, 16, dtype=jnp.float32, quant=quant)
+    lens = jnp.array([40, 17, 33, 5])
+    tables = (jnp.arange(20).reshape(4, 5)[:, ::-1] * 7) % 32
+    ks = jax.random.split(jax.random.key(kv_heads), 2)
+    k = jax.random.normal(ks[0], (160, kv_heads, 16))
+    v = jax.random.normal(ks[1], (160, kv_heads, 16))
+    pos, seq = jnp.tile(jnp.arange(40), 4), jnp.repeat(jnp.arange(4), 40)
+    slots = jnp.where(pos < lens[seq], tables[seq, pos // 8] * 8 + pos % 8, -1)
+    return jaxattn.write_kv(cache, k, v, slots), tables, lens
+
+
+@pytest.mark.parametrize(
+    "kv_heads, quant",
+    [(4, None), (2, None), (4, jaxattn.KVQuant("int8", "group", group_size=8))],
+    ids=["kv-split", "kv-replicated", "int8-group"],
+)
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_paged_decode_over_a_cache_split_by_kv_head(kv_heads, quant, explicit):
+    mesh = _mesh(explicit)
+    cache, tables, lens = _filled_cache(kv_heads, quant)
+    q = jax.random.normal(jax.random.key(7), (4, 8, 16))
+    want = jaxattn.paged_decode(q, cache, tables, lens, implementation="xla")
+    sharded = shard_cache(cache, mesh, "model")
+    assert sharded.k_pages.sharding.spec[1] == ("model" if kv_heads == 4 else None)
+    args = (_put(mesh, q, "data", "model"), sharded, _put(mesh, tables), _put(mesh, lens))
+    f = jax.jit(lambda q, c, t, n: jaxattn.paged_decode(q, c, t, n, implementation="pallas"))
+    out = f(*args)
+    np.testing.assert_allclose(out, want, **TOL)
+    assert _spec(out) == ("data", "model", None)
+    _no_operand_gather(f, *args)
+
+
+def test_cache_writes_and_reads_stay_split():
+    """write_kv, gather_kv and copy_pages (XLA ops) keep the pools split by kv head."""
+    mesh = _mesh(False)
+    cache, tables, lens = _filled_cache(4, jaxattn.KVQuant("int8", "group", group_size=8))
+    sharded = shard_cache(cache, mesh, "model")
+    k = jax.random.normal(jax.random.key(8), (6, 4, 16))
+    slots = jnp.array([3, 9, 17, -1, 40, 41])
+
+    write = jax.jit(lambda c, k, s: jaxattn.write_kv(c, k, k, s))
+    args = (sharded, _put(mesh, k, None, "model"), _put(mesh, slots))
+    written = write(*args)
+    assert written.k_pages.sharding.spec[1] == "model"
+    assert written.k_scales.sharding.spec[1] == "model"
+    np.testing.assert_array_equal(written.k_pages, jaxattn.write_kv(cache, k, k, slots).k_pages)
+    _no_operand_gather(write, *args)
+
+    gather = jax.jit(lambda c, t, n: jaxattn.gather_kv(c, t, n, 40))
+    args = (sharded, _put(mesh, tables), _put(mesh, lens))
+    k_all, _ = gather(*args)
+    assert _spec(k_all)[2] == "model"
+    np.testing.assert_array_equal(k_all, jaxattn.gather_kv(cache, tables, lens, 40)[0])
+    _no_operand_gather(gather, *args)
+
+    copy = jax.jit(lambda c, s, d: jaxattn.copy_pages(c, s, d))
+    src, dst = jnp.array([1, 2]), jnp.array([30, 31])
+    args = (sharded, _put(mesh, src), _put(mesh, dst))
+    copied = copy(*args)
+    assert copied.k_pages.sharding.spec[1] == "model"
+    np.testing.assert_array_equal(copied.v_pages, jaxattn.copy_pages(cache, src, dst).v_pages)
+    _no_operand_gather(copy, *args)
+
+
+def test_cache_sharding_replicates_kv_heads_that_do_not_split():
+    mesh = _mesh(False)
+    cache = jaxattn.PagedKVCache.create(8, 8, 2, 16, quant=jaxattn.KVQuant("int8", "tensor"))
+    shardings = cache_sharding(cache, mesh, "model")
+    assert shardings.k_pages.spec == P(None, None)
+    assert shardings.k_scales.spec == P()
