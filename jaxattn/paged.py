@@ -24,6 +24,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
@@ -33,6 +34,7 @@ from jaxattn.cache import PagedKVCache, write_kv_stored
 from jaxattn.decode import cache_format
 from jaxattn.dispatch import run_first
 from jaxattn.metadata import AttentionMetadata
+from jaxattn.parallel.partition import HEADS, KV_HEADS, Out, run_sharded
 from jaxattn.positional import RelativeBias
 from jaxattn.rope import RoPE, apply_rope, token_rotations
 from pallas_kernels.common import use_interpret
@@ -217,17 +219,19 @@ def paged_attention(
     fused_write = _fused_write(cache, meta, relative_bias, rope_on_read)
     result = lambda out, lse: (out, lse) if return_lse else out  # noqa: E731
 
-    def run(impl):
+    def step(impl, q, k, v, cache, meta, alibi_slopes, rel_table, out_scale):
+        relative_bias = None if rel_table is None else dataclasses.replace(rel, table=rel_table)
         rotations = None
         if impl == "pallas" and on_load:
-            rotations = token_rotations(meta.positions, rope, q.shape[-1])
+            rotations = token_rotations(meta.positions, rope, head_dim)
         if impl == "pallas" and fused_write:
-            new_kv = (k, v) if qkv is None else (None, None)
             out, lse, new_cache = _pallas_fused_write(
-                q if qkv is None else qkv, new_kv, cache, meta, options, alibi_slopes, config,
-                out_dtype, out_scale, q_rotations=rotations,
+                q, (k, v), cache, meta, options, alibi_slopes, config, out_dtype, out_scale,
+                q_rotations=rotations,
             )  # fmt: skip
-            return result(out, lse), new_cache
+            return out, lse, new_cache
+        if k is None:  # the fused projection, on a path that reads it split
+            q, k, v = split_qkv(q, cache.num_kv_heads)
         k_in = apply_rope(k, meta.positions, rope) if rotate else k
         new_cache, k_new, v_new = write_kv_stored(cache, k_in, v, meta.slot_mapping, q.dtype)
         q_in = apply_rope(q, meta.positions, rope) if rotate and rotations is None else q
@@ -268,9 +272,72 @@ def paged_attention(
                 read_rope=read_rope,
                 q_rotations=rotations,
             )
+        return out, lse, new_cache
+
+    rel = relative_bias
+    head_dim = q.shape[-1]
+    # The fused projection is read in place only by the fused-write decode kernel.
+    fused_in = qkv is not None and fused_write
+    operands = (
+        qkv if fused_in else q,
+        None if fused_in else k,
+        None if fused_in else v,
+        cache,
+        meta,
+        None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
+        None if rel is None else rel.table,
+        out_scale,
+    )
+
+    def run(impl):
+        if impl == "xla":
+            out, lse, new_cache = step(impl, *operands)
+        else:
+            out, lse, new_cache = _sharded_step(functools.partial(step, impl), operands)
         return result(out, lse), new_cache
 
     return run_first(implementation, run)
+
+
+def _sharded_step(step, operands):
+    """`step(*operands)` shard-local when q is split by heads and the cache by kv head
+    (`jaxattn.parallel.partition`). The fused projection `[T, Hq + 2 Hkv, D]` interleaves
+    no per-shard groups, so its heads are never split: under tensor parallelism pass q, k
+    and v."""
+    q, k, v, cache, meta, alibi, table, out_scale = operands
+    fused = k is None
+    pool = lambda x: (None, KV_HEADS, None, None) if x.ndim == 4 else (None,) * x.ndim  # noqa: E731
+    cache_leaves, cache_def = jax.tree.flatten(cache)
+    meta_leaves, meta_def = jax.tree.flatten(meta)
+    n_cache, n_meta = len(cache_leaves), len(meta_leaves)
+    heads = None if fused else HEADS
+    roles = [
+        (None, heads, None),
+        (None, KV_HEADS, None),
+        (None, KV_HEADS, None),
+        *(pool(x) if not fused else (None,) * x.ndim for x in cache_leaves),
+        *((None,) * jnp.ndim(x) for x in meta_leaves),
+        (HEADS,),
+        (HEADS, None),
+        (),
+    ]
+
+    def local(q, k, v, *rest):
+        cache = jax.tree.unflatten(cache_def, rest[:n_cache])
+        meta = jax.tree.unflatten(meta_def, rest[n_cache : n_cache + n_meta])
+        alibi, table, out_scale = rest[n_cache + n_meta :]
+        out, lse, new_cache = step(q, k, v, cache, meta, alibi, table, out_scale)
+        return (out, lse, *jax.tree.leaves(new_cache))
+
+    results = run_sharded(
+        local,
+        (q, k, v, *cache_leaves, *meta_leaves, alibi, table, out_scale),
+        roles,
+        (Out((None, heads, None)), Out((heads, None)), *(Out(r) for r in roles[3 : 3 + n_cache])),
+        name="paged_attention",
+    )
+    out, lse, *new_leaves = results
+    return out, lse, jax.tree.unflatten(cache_def, new_leaves)
 
 
 def _fused_write(cache, meta, relative_bias, rope_on_read) -> bool:

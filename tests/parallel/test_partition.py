@@ -250,3 +250,44 @@ def test_cache_sharding_replicates_kv_heads_that_do_not_split():
     shardings = cache_sharding(cache, mesh, "model")
     assert shardings.k_pages.spec == P(None, None)
     assert shardings.k_scales.spec == P()
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])
+def test_paged_attention_step_over_a_split_cache(decode_only):
+    """A serving step (context chunks and generation rows, or generation rows alone through
+    the kernel that writes the cache itself) with q split by heads and the cache by kv
+    head: output, lse and the written cache as on one device, all still split."""
+    mesh = _mesh(False)
+    cache, _, _ = _filled_cache(4)
+    if decode_only:
+        q_lens, lens, tokens = [1, 1, 0, 1], [9, 16, 5, 3], 5
+    else:
+        q_lens, lens, tokens = [5, 1, 0, 7], [12, 16, 5, 7], 16
+    pages = [[3, 9], [4, 10], [5], [6, 11]]
+    meta = jaxattn.AttentionMetadata.from_lists(
+        q_lens, lens, pages, 8, max_tokens=tokens, max_seqs=5, max_pages=3,
+        decode_only=decode_only,
+    )  # fmt: skip
+    ks = jax.random.split(jax.random.key(9), 3)
+    q = jax.random.normal(ks[0], (tokens, 8, 16))
+    k, v = (jax.random.normal(key, (tokens, 4, 16)) for key in ks[1:])
+
+    def step(q, k, v, cache, impl="pallas"):
+        return jaxattn.paged_attention(q, k, v, cache, meta, return_lse=True, implementation=impl)
+
+    (want, want_lse), want_cache = step(q, k, v, cache, "xla")
+    args = (
+        _put(mesh, q, None, "model"),
+        _put(mesh, k, None, "model"),
+        _put(mesh, v, None, "model"),
+        shard_cache(cache, mesh, "model"),
+    )
+    f = jax.jit(step)
+    (out, lse), new_cache = f(*args)
+    real = np.arange(tokens) < sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(want)[real], **TOL)
+    np.testing.assert_allclose(np.asarray(lse)[:, real], np.asarray(want_lse)[:, real], **TOL)
+    np.testing.assert_allclose(new_cache.k_pages, want_cache.k_pages, **TOL)
+    assert _spec(out)[1] == "model" and _spec(lse)[0] == "model"
+    assert new_cache.k_pages.sharding.spec[1] == "model"
+    _no_operand_gather(f, *args)
