@@ -24,7 +24,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import reference, validation
 from jaxattn.dispatch import run_first
-from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, Out, like, run_sharded
+from jaxattn.parallel import ring
+from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, SEQUENCE, Out, like, run_sharded
 from jaxattn.positional import RelativeBias
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
@@ -108,8 +109,8 @@ def _roles(static: _Static):
     if static.packed:
         q, kv, length, lse = (None, HEADS, None), (None, KV_HEADS, None), (None,), (HEADS, None)
     else:
-        q, kv, length = (BATCH, None, HEADS, None), (BATCH, None, KV_HEADS, None), (BATCH,)
-        lse = (BATCH, HEADS, None)
+        q, kv = (BATCH, SEQUENCE, HEADS, None), (BATCH, SEQUENCE, KV_HEADS, None)
+        length, lse = (BATCH,), (BATCH, HEADS, SEQUENCE)
     extras = ((HEADS,), (BATCH, HEADS, None, None), (BATCH, HEADS, None, None), (HEADS, None))
     return (q, kv, kv, length, length, *extras), q, lse
 
@@ -118,14 +119,56 @@ def _pallas(static: _Static, config, qkv, lengths, extras, out_scale=None):
     """The flash kernel, shard-local on arrays split along batch and heads."""
     ins, q_roles, lse_roles = _roles(static)
     run = functools.partial(_pallas_local, static, config)
+    has_ring = _has_ring(static, qkv, lengths, extras)
     out, lse = run_sharded(
         run,
         (*qkv, *lengths, *extras, out_scale),
         (*ins, ()),
         (Out(q_roles), Out(lse_roles)),
         name="attention",
+        sequence_fn=_ring_forward(static, config) if has_ring else None,
     )
     return out, lse
+
+
+def _has_ring(static: _Static, qkv, lengths, extras, g_lse=None) -> bool:
+    """Whether a sequence split over devices runs as ring attention (`jaxattn.parallel.ring`):
+    a dense batch with causal and scale alone, as many queries as keys, no lse cotangent."""
+    q, k, _ = qkv
+    plain = static.window is None and static.sink_tokens == 0 and static.soft_cap is None
+    return (
+        not static.packed
+        and plain
+        and not static.out_fp8
+        and all(x is None for x in (*lengths, *extras, g_lse))
+        and q.shape[1] == k.shape[1]
+    )
+
+
+def _ring_forward(static: _Static, config):
+    def on(axes):
+        def run(q, k, v, *unused):
+            return ring.ring_forward(
+                q, k, v, axis_name=axes, causal=static.causal, scale=static.scale, config=config
+            )
+
+        return run
+
+    return on
+
+
+def _ring_backward(static: _Static, config):
+    def on(axes):
+        def run(q, k, v, out, lse, g_out, *unused):
+            grads = ring.ring_backward(
+                q, k, v, out, lse, g_out, axis_name=axes, causal=static.causal,
+                scale=static.scale, config=config,
+            )  # fmt: skip
+            return (*grads, None, None, None)
+
+        return run
+
+    return on
 
 
 def _pallas_local(
@@ -250,6 +293,7 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
     q_in, k_in, v_in, len_q, len_k, *extra_roles = ins
     alibi_r, bias_r, _, rel_r = extra_roles
     run = functools.partial(_backward_local, static, config, grads_of)
+    has_ring = _has_ring(static, qkv, lengths, extras, g_lse)
     dq, dk, dv, d_bias, d_alibi, d_rel = run_sharded(
         run,
         (*qkv, out, lse, g_out, g_lse, *lengths, *extras),
@@ -263,6 +307,7 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
             Out(rel_r, sums=True),
         ),
         name="attention (gradient)",
+        sequence_fn=_ring_backward(static, config) if has_ring else None,
     )
     cast = lambda g, x: None if g is None else like(g.astype(x.dtype), x)  # noqa: E731
     return (

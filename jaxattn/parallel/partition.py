@@ -24,7 +24,12 @@ Axis roles:
   query heads read; their gradients (outputs with this role) are summed over the head
   axes. Needs Hq % n == 0 and n a multiple of Hkv's groups (`(Hq // Hkv) % (Hq // n)
   == 0`), else the head role is left unsplit (with a warning).
-- `None`: the whole axis on every device (sequence, head_dim, pages, ...).
+- `SEQUENCE`: the tokens of a dense batch (q's and k's). Split only for an op that gives a
+  `sequence_fn` (attention with the options ring attention takes): the shard-local
+  function is then the ring over the sequence's mesh axes (`jaxattn.parallel.ring`),
+  passing K/V blocks with `ppermute`. Otherwise, and when the axis does not divide, XLA
+  gathers the sequence (with a warning).
+- `None`: the whole axis on every device (head_dim, pages, ...).
 
 An axis of size 1 is broadcast (a bias shared by every head): never split; an output
 marked `sums` is summed (`psum`) over the mesh axes of the roles it lacks (the gradient of
@@ -53,11 +58,12 @@ from jax.interpreters import batching
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["BATCH", "HEADS", "KV_HEADS", "Out", "Roles", "like", "run_sharded"]
+__all__ = ["BATCH", "HEADS", "KV_HEADS", "SEQUENCE", "Out", "Roles", "like", "run_sharded"]
 
 BATCH = "batch"
 HEADS = "heads"
 KV_HEADS = "kv_heads"
+SEQUENCE = "sequence"
 Roles = tuple  # one role (or None) per axis of an operand or output
 
 
@@ -79,12 +85,15 @@ class _Plan:
     kv_split: bool  # kv heads split over the head axes (else replicated, sliced)
     num_heads: int  # Hq
     num_kv_heads: int  # Hkv
+    sequence: str | tuple[str, ...] | None = None  # a ring over these axes
 
     def axis(self, role, size: int):
         if size == 1:
             return None
         if role == BATCH:
             return self.batch
+        if role == SEQUENCE:
+            return self.sequence
         if role == HEADS or (role == KV_HEADS and self.kv_split):
             return self.heads
         return None
@@ -95,7 +104,8 @@ class _Plan:
     def sum_axes(self, roles: Roles, shape) -> tuple[str, ...]:
         """Mesh axes over which shards of an output hold partial sums."""
         present = {a for a in _flat(self.spec(roles, shape))}
-        return tuple(a for a in _flat(P(self.batch, self.heads)) if a not in present)
+        every = _flat(P(self.batch, self.heads, self.sequence))
+        return tuple(a for a in every if a not in present)
 
 
 def run_sharded(
@@ -105,6 +115,7 @@ def run_sharded(
     outs: Sequence[Out],
     *,
     name: str,
+    sequence_fn: Callable | None = None,
 ):
     """`fn(*args)`, shard-local when args are sharded along BATCH / HEADS / KV_HEADS axes.
 
@@ -115,6 +126,8 @@ def run_sharded(
       roles: per operand, the role of each axis (`BATCH`, `HEADS`, `KV_HEADS` or None).
       outs: per output, its roles and whether it is a partial sum (`Out`).
       name: the op's name, for messages.
+      sequence_fn: None, or `sequence_fn(axes)` -> a function like `fn` run on shards of
+        a sequence split over the mesh axes `axes` (a ring; see `SEQUENCE`).
     """
     present = [i for i, a in enumerate(args) if a is not None]
     arrays = [args[i] for i in present]
@@ -135,12 +148,24 @@ def run_sharded(
     # Shapes alone (no shardings: the kernels trace on unsharded types).
     out_avals = jax.eval_shape(call, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays))
     live = tuple(i for i, o in enumerate(out_avals) if o is not None)
+
+    def live_only(f):
+        def g(*xs):
+            full = [None] * len(args)
+            for i, a in zip(present, xs, strict=True):
+                full[i] = a
+            results = tuple(f(*full))
+            return tuple(results[i] for i in live)
+
+        return g
+
     op = _Op(
-        fn=lambda *xs: tuple(call(*xs)[i] for i in live),
+        fn=live_only(fn),
         roles=tuple(arr_roles),
         outs=tuple(outs[i] for i in live),
         out_avals=tuple(out_avals[i] for i in live),
         name=name,
+        sequence_fn=None if sequence_fn is None else lambda axes: live_only(sequence_fn(axes)),
     )
     explicit = mode == "explicit"
     results = _explicit_call(op, arrays) if explicit else _auto_call(*arrays, op=op)
@@ -160,9 +185,11 @@ class _Op:
     outs: tuple[Out, ...]
     out_avals: tuple[jax.ShapeDtypeStruct, ...]
     name: str
+    sequence_fn: Callable | None = None
 
     def plan(self, arrays, specs, mesh) -> _Plan:
-        return _make_plan(self.name, arrays, self.roles, specs, mesh)
+        ring = self.sequence_fn is not None
+        return _make_plan(self.name, arrays, self.roles, specs, mesh, ring)
 
     def in_specs(self, plan: _Plan, arrays) -> tuple[P, ...]:
         return tuple(plan.spec(r, a.shape) for a, r in zip(arrays, self.roles, strict=True))
@@ -175,9 +202,11 @@ class _Op:
     def local(self, plan: _Plan) -> Callable:
         """The shard-local function: kv heads sliced, partial sums summed."""
 
+        fn = self.fn if plan.sequence is None else self.sequence_fn(plan.sequence)
+
         def local(*shards):
             shards = [_kv_slice(plan, x, r) for x, r in zip(shards, self.roles, strict=True)]
-            results = self.fn(*shards)
+            results = fn(*shards)
             return tuple(
                 _finish(plan, y, o, a.shape)
                 for y, o, a in zip(results, self.outs, self.out_avals, strict=True)
@@ -320,8 +349,16 @@ def _role_size(arrays, arr_roles, role) -> int:
     return 1
 
 
-def _make_plan(name, arrays, arr_roles, specs, mesh) -> _Plan:
+def _make_plan(name, arrays, arr_roles, specs, mesh, ring: bool = False) -> _Plan:
     batch = _role_axes(arrays, arr_roles, specs, BATCH)
+    sequence = _role_axes(arrays, arr_roles, specs, SEQUENCE)
+    if sequence is not None and not ring:
+        _warn(name, f"the sequence is split over {sequence} and these options have no ring")
+        sequence = None
+    num_tokens = _role_size(arrays, arr_roles, SEQUENCE)
+    if sequence is not None and num_tokens % _axis_size(mesh, sequence):
+        _warn(name, f"{num_tokens} tokens do not split over {sequence}")
+        sequence = None
     heads = _role_axes(arrays, arr_roles, specs, HEADS)
     if heads is None:  # only the kv operands split by head (q replicated): follow them
         heads = _role_axes(arrays, arr_roles, specs, KV_HEADS)
@@ -345,7 +382,7 @@ def _make_plan(name, arrays, arr_roles, specs, mesh) -> _Plan:
             if group % (num_heads // n):
                 _warn(name, f"{num_kv} kv heads of {num_heads} do not split over {n} shards")
                 heads, n, kv_split = None, 1, True
-    return _Plan(batch, heads, n, kv_split, num_heads, num_kv)
+    return _Plan(batch, heads, n, kv_split, num_heads, num_kv, sequence)
 
 
 @functools.cache
@@ -401,7 +438,9 @@ def _rule(op: _Op, arrays) -> SdyShardingRule:
             if r is None or n == 1:
                 factors.append(f"x{next(counter)}")
             else:
-                factors.append({BATCH: "b", HEADS: "h", KV_HEADS: "g"}[r])
+                # Tokens: one factor per length (cross attention's Tq and Tk differ).
+                name = {BATCH: "b", HEADS: "h", KV_HEADS: "g", SEQUENCE: f"s{n}_"}[r]
+                factors.append(name)
         return ArrayMapping(*factors)
 
     operands = tuple(mapping(a.shape, r) for a, r in zip(arrays, op.roles, strict=True))

@@ -291,3 +291,49 @@ def test_paged_attention_step_over_a_split_cache(decode_only):
     assert _spec(out)[1] == "model" and _spec(lse)[0] == "model"
     assert new_cache.k_pages.sharding.spec[1] == "model"
     _no_operand_gather(f, *args)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_sequence_split_runs_as_a_ring(explicit):
+    """q, k, v split along the sequence over 'model' (and batch over 'data'): attention
+    and its gradient run as ring attention (collective-permutes of K/V blocks), never
+    gathering the sequence, and come back split along it."""
+    mesh = _mesh(explicit)
+    q, k, v, g = _qkv(jax.random.key(11 + explicit), 2, 64, 4, 2)
+
+    def loss(q, k, v, impl="pallas"):
+        out = jaxattn.attention(q, k, v, causal=True, implementation=impl, config=CONFIG)
+        return jnp.sum(out * g)
+
+    args = tuple(_put(mesh, x, "data", "model") for x in (q, k, v))
+    forward = jax.jit(
+        lambda q, k, v: jaxattn.attention(q, k, v, causal=True, config=CONFIG,
+                                          implementation="pallas")
+    )  # fmt: skip
+    out = forward(*args)
+    np.testing.assert_allclose(out, jaxattn.attention(q, k, v, causal=True), **TOL)
+    assert _spec(out)[:2] == ("data", "model")
+    hlo = forward.lower(*args).compile().as_text()
+    assert "collective-permute" in hlo
+    _no_operand_gather(forward, *args)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    grads = grad(*args)
+    for got, want in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "xla"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert _spec(got)[:2] == ("data", "model")
+    _no_operand_gather(grad, *args)
+
+
+def test_sequence_split_without_a_ring_warns_and_gathers():
+    """A window has no ring: the sequence is gathered (correct), with a warning."""
+    mesh = _mesh(False)
+    q, k, v, _ = _qkv(jax.random.key(12), 2, 32, 4, 4)
+    args = tuple(_put(mesh, x, None, "model") for x in (q, k, v))
+    f = jax.jit(
+        lambda q, k, v: jaxattn.attention(q, k, v, causal=True, window=8, config=CONFIG,
+                                          implementation="pallas")
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="sequence is split"):
+        out = f(*args)
+    np.testing.assert_allclose(out, jaxattn.attention(q, k, v, causal=True, window=8), **TOL)
