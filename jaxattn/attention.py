@@ -300,8 +300,8 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
         (q_in, k_in, v_in, q_roles, lse_roles, q_roles, lse_roles, len_q, len_k, *extra_roles),
         (
             Out(q_in),
-            Out(k_in),
-            Out(v_in),
+            Out(k_in, sums=True),  # a replicated kv head's gradient: its shards' sum
+            Out(v_in, sums=True),
             Out(bias_r, sums=True),
             Out(alibi_r, sums=True),
             Out(rel_r, sums=True),

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jaxattn.generation.progress import ProgressBar, RunStats
@@ -38,6 +39,7 @@ from jaxattn.generation.scheduler import Limits, Request, Scheduler, Status
 from jaxattn.manager import KVCacheManager, pad_ids
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.models.llama import Llama
+from jaxattn.parallel.tensor import shard_serving
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -131,14 +133,31 @@ class Engine:
     serves a list of requests to the end with a progress bar. Sampling is random only
     where a request asks for it; the keys derive from `seed`, the request's seed and the
     token's position.
+
+    With `mesh`, the engine runs tensor-parallel over the mesh axis `tp_axis`
+    (`jaxattn.parallel.shard_serving`): `model`'s parameters are placed split (in place),
+    each layer's cache split by kv head, the manager replicated; the same tokens come out
+    as on one device.
     """
 
-    def __init__(self, model: Llama, config: EngineConfig, *, seed: int = 0):
+    def __init__(
+        self,
+        model: Llama,
+        config: EngineConfig,
+        *,
+        seed: int = 0,
+        mesh: Mesh | None = None,
+        tp_axis: str | tuple[str, ...] = "tp",
+    ):
         self.config = config
         self.caches = model.init_cache(config.num_pages, config.page_size)
         self.manager = KVCacheManager.create(
             config.num_pages, config.page_size, config.max_seqs, config.max_pages_per_seq
         )
+        if mesh is not None:
+            self.caches, self.manager = shard_serving(
+                model, self.caches, self.manager, mesh, tp_axis
+            )
         self.scheduler = Scheduler(
             Limits(
                 max_tokens=config.token_buckets[-1],

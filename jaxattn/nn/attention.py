@@ -192,6 +192,9 @@ class Attention(nnx.Module):
             q, k, v = self.qkv_proj(x).reshape(x.shape[0], heads, self.head_dim), None, None
         else:
             q, k, v = self.project_qkv(x)
+            copies = cache.num_kv_heads // self.num_kv_heads
+            if copies > 1:  # a cache with each kv head duplicated (`shard_serving`)
+                k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
         out, cache = self.paged_attention_fn(
             q, k, v, cache, meta, rope=self.rope, **on_read, **self.options
         )  # [T, Hq, D]

@@ -20,10 +20,12 @@ Axis roles:
 - `KV_HEADS`: kv heads. Split over the head axes when the head-shard count n divides the
   kv heads, so that each device holds the kv heads of its query-head groups. When it does
   not (fewer kv heads than devices, the tensor-parallel case of vLLM and TensorRT-LLM) the
-  kv operands are replicated along the head axes and each device slices the kv heads its
-  query heads read; their gradients (outputs with this role) are summed over the head
-  axes. Needs Hq % n == 0 and n a multiple of Hkv's groups (`(Hq // Hkv) % (Hq // n)
-  == 0`), else the head role is left unsplit (with a warning).
+  kv operands are replicated along the head axes and each device slices the kv head its
+  query heads read; their gradients (`sums` outputs with this role) are summed over the
+  head axes. An op that writes replicated kv heads (a cache) runs with heads whole
+  instead: duplicate the cache's kv heads (`jaxattn.parallel.duplicate_kv_heads`). Needs
+  Hq % n == 0 and n a multiple of Hkv's groups (`(Hq // Hkv) % (Hq // n) == 0`), else
+  the head role is left unsplit (with a warning).
 - `SEQUENCE`: the tokens of a dense batch (q's and k's). Split only for an op that gives a
   `sequence_fn` (attention with the options ring attention takes): the shard-local
   function is then the ring over the sequence's mesh axes (`jaxattn.parallel.ring`),
@@ -189,7 +191,19 @@ class _Op:
 
     def plan(self, arrays, specs, mesh) -> _Plan:
         ring = self.sequence_fn is not None
-        return _make_plan(self.name, arrays, self.roles, specs, mesh, ring)
+        plan = _make_plan(self.name, arrays, self.roles, specs, mesh, ring)
+        copies = any(KV_HEADS in o.roles and not o.sums for o in self.outs)
+        if copies and plan.heads is not None and not plan.kv_split:
+            # A kv output that is not a sum (a written cache) cannot be rebuilt from the
+            # shards that slice a replicated kv head without moving it whole.
+            _warn(
+                self.name,
+                f"{plan.num_kv_heads} kv heads do not split over {plan.heads} and this op "
+                "writes them: heads left whole (jaxattn.parallel.duplicate_kv_heads gives "
+                "a cache whose kv heads split)",
+            )
+            plan = dataclasses.replace(plan, heads=None, head_shards=1, kv_split=True)
+        return plan
 
     def in_specs(self, plan: _Plan, arrays) -> tuple[P, ...]:
         return tuple(plan.spec(r, a.shape) for a, r in zip(arrays, self.roles, strict=True))
@@ -229,27 +243,40 @@ def _explicit_call(op: _Op, arrays):
 
 
 def _auto_call(*arrays, op: _Op):
-    """Shardings known to the partitioner: a custom_partitioning planned at compile time."""
-    f = custom_partitioning(op.fn)
+    """Shardings known to the partitioner: a custom_partitioning planned at compile time.
+
+    custom_partitioning takes no function with constants (a kernel's tile table, a RoPE
+    frequency vector): the function is traced once here and its constants become leading
+    operands, replicated; the shard-local function retraces on the shards."""
+    closed = jax.make_jaxpr(op.fn)(*arrays)
+    consts = [jnp.asarray(c) for c in closed.consts]
+    num_consts = len(consts)
+
+    def whole(*xs):
+        return tuple(jax.core.eval_jaxpr(closed.jaxpr, xs[:num_consts], *xs[num_consts:]))
+
+    f = custom_partitioning(whole)
 
     def shardings(mesh, arg_shapes):
-        plan = op.plan(arg_shapes, [a.sharding.spec for a in arg_shapes], mesh)
-        ins = tuple(NamedSharding(mesh, s) for s in op.in_specs(plan, arg_shapes))
+        shapes = arg_shapes[num_consts:]
+        plan = op.plan(shapes, [a.sharding.spec for a in shapes], mesh)
+        ins = tuple(NamedSharding(mesh, P()) for _ in range(num_consts))
+        ins += tuple(NamedSharding(mesh, s) for s in op.in_specs(plan, shapes))
         outs = tuple(NamedSharding(mesh, s) for s in op.out_specs(plan))
         return plan, ins, outs
 
     def partition(mesh, arg_shapes, result_shape):
         plan, ins, outs = shardings(mesh, arg_shapes)
-        return mesh, op.local(plan), outs, ins
+        local = op.local(plan)
+        return mesh, lambda *xs: local(*xs[num_consts:]), outs, ins
 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[2]
 
     partition.jaxattn_op = op  # for the batching rule
-    f.def_partition(
-        partition=partition, infer_sharding_from_operands=infer, sharding_rule=_rule(op, arrays)
-    )
-    return tuple(f(*arrays))
+    rule = _rule(op, arrays, consts)
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+    return tuple(f(*consts, *arrays))
 
 
 # custom_partitioning has no batching rule; ours batches the calls made here (marked by
@@ -261,7 +288,7 @@ def _batched(arrays, dims, *, partition, **params):
     op = getattr(partition, "jaxattn_op", None)
     if op is None:
         raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
-    arrays = arrays[len(arrays) - len(op.roles) :]  # no consts: our calls close over none
+    arrays = arrays[len(arrays) - len(op.roles) :]  # the traced function's constants first
     dims = dims[len(dims) - len(op.roles) :]
     in_axes = tuple(dims)  # None: not batched
     roles = tuple(
@@ -408,8 +435,9 @@ def _kv_slice(plan: _Plan, x, roles: Roles):
 
 
 def _finish(plan: _Plan, y, out: Out, full_shape):
-    """A local result -> its shard: replicated kv outputs rebuilt and summed; partial
-    sums psum'd over the axes the output is not split on."""
+    """A local result -> its shard: a replicated kv output placed at its kv head (zeros
+    elsewhere), then partial sums psum'd (in float32) over the axes the output is not
+    split on: the shards of a kv head's query heads each hold a share of its gradient."""
     if not plan.kv_split and plan.heads is not None and KV_HEADS in out.roles:
         dim = out.roles.index(KV_HEADS)
         if full_shape[dim] != y.shape[dim]:
@@ -418,17 +446,15 @@ def _finish(plan: _Plan, y, out: Out, full_shape):
             start = jax.lax.axis_index(plan.heads) * per_shard // group
             zeros = jnp.zeros(y.shape[:dim] + (full_shape[dim],) + y.shape[dim + 1 :], y.dtype)
             y = jax.lax.dynamic_update_slice_in_dim(zeros, y, start, axis=dim)
-            # Each kv head is computed by the shards of its query heads: their sum.
-            total = jax.lax.psum(y.astype(jnp.float32), plan.heads)
-            y = total.astype(y.dtype)
     if out.sums:
         axes = plan.sum_axes(out.roles, full_shape)
         if axes:
-            y = jax.lax.psum(y, axes)
+            wide = jnp.float32 if jnp.issubdtype(y.dtype, jnp.floating) else y.dtype
+            y = jax.lax.psum(y.astype(wide), axes).astype(y.dtype)
     return y
 
 
-def _rule(op: _Op, arrays) -> SdyShardingRule:
+def _rule(op: _Op, arrays, consts=()) -> SdyShardingRule:
     """The Shardy rule: one factor per role (batch, heads, kv heads), others each their own."""
     counter = iter(range(10**6))
 
@@ -443,6 +469,7 @@ def _rule(op: _Op, arrays) -> SdyShardingRule:
                 factors.append(name)
         return ArrayMapping(*factors)
 
-    operands = tuple(mapping(a.shape, r) for a, r in zip(arrays, op.roles, strict=True))
+    operands = tuple(mapping(c.shape, (None,) * c.ndim) for c in consts)
+    operands += tuple(mapping(a.shape, r) for a, r in zip(arrays, op.roles, strict=True))
     results = tuple(mapping(a.shape, o.roles) for a, o in zip(op.out_avals, op.outs, strict=True))
     return SdyShardingRule(operands, results)

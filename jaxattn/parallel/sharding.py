@@ -8,7 +8,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxattn.cache import PagedKVCache
 
-__all__ = ["cache_sharding", "shard_cache"]
+__all__ = ["axes_size", "cache_sharding", "shard_cache"]
+
+
+def axes_size(mesh: Mesh, axes: str | tuple[str, ...]) -> int:
+    """Devices along one mesh axis or a tuple of them."""
+    size = 1
+    for a in axes if isinstance(axes, tuple) else (axes,):
+        size *= mesh.shape[a]
+    return size
 
 
 def cache_sharding(cache: PagedKVCache, mesh: Mesh, axis: str | tuple[str, ...]) -> PagedKVCache:
@@ -17,10 +25,7 @@ def cache_sharding(cache: PagedKVCache, mesh: Mesh, axis: str | tuple[str, ...])
     per-tensor scales replicated. When the kv heads do not split over `axis` (fewer kv
     heads than devices) the pools are replicated: each device keeps every kv head and reads
     those of its query heads (the vLLM / TensorRT-LLM rule)."""
-    size = 1
-    for a in axis if isinstance(axis, tuple) else (axis,):
-        size *= mesh.shape[a]
-    heads = axis if cache.k_pages.shape[1] % size == 0 else None
+    heads = axis if cache.k_pages.shape[1] % axes_size(mesh, axis) == 0 else None
 
     def leaf(x):
         spec = P(None, heads) if x.ndim == 4 else P()
