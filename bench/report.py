@@ -1,4 +1,5 @@
-"""Results of a run: markdown tables (stdout and bench/RESULTS.md), results.json, plots."""
+"""Results of a run: markdown tables (stdout and bench/RESULTS.md, the latest run of each
+set; older runs in bench/HISTORY.md), results.json, plots."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import jax
 
+from bench import history
 from bench.common import Row, SetResult, Settings
 
 BENCH_DIR = Path(__file__).parent
@@ -81,13 +83,10 @@ def run_metadata() -> dict:
 def write_results(
     results: list[SetResult], settings: Settings, metadata: dict, section: str
 ) -> None:
-    """Appends `section` to RESULTS.md; replaces this run's sets in results.json (other
+    """Puts `section` on top of RESULTS.md, moving the runs of the same sets it replaces
+    to HISTORY.md (`bench.history`); replaces this run's sets in results.json (other
     sets, from earlier runs, stay, each with its run's metadata) and their plots."""
-    results_md = BENCH_DIR / "RESULTS.md"
-    if not results_md.exists():
-        results_md.write_text("# Benchmark results (appended by `python -m bench.run`)\n\n")
-    with results_md.open("a") as f:
-        f.write(section + "\n")
+    history.write(BENCH_DIR / "RESULTS.md", BENCH_DIR / "HISTORY.md", section)
     run = {**metadata, "settings": dataclasses.asdict(settings)}
     sets = {}
     results_json = BENCH_DIR / "results.json"

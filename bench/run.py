@@ -1,7 +1,8 @@
 """Command line: `python -m bench.run [--sets a,b] [--smoke] [--sweep] [--no-write] [--reps N]`.
 
 Measures the ceilings once, runs each named set, prints one table per set, and (unless
---no-write, or --smoke without --write) appends them to bench/RESULTS.md and rewrites
+--no-write, or --smoke without --write) puts them on top of bench/RESULTS.md (older runs
+of the same sets move to bench/HISTORY.md) and rewrites
 bench/results.json and bench/plots/<set>.png. Exits 1 if an output failed its check or a
 set crashed.
 """
