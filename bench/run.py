@@ -14,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from bench import decode, decode_quant, model, prefill, report, serving, train
+from bench import decode, decode_quant, model, prefill, report, scale, serving, train
 from bench.common import SetResult, Settings, describe_error, measure_ceilings
 
 # A set takes the settings and returns its rows; new sets (decode, ...) register here.
@@ -27,6 +27,7 @@ SETS: dict[str, Callable[[Settings], SetResult]] = {
     "serving_chunk": serving.chunk_set,
     "model": model.model_set,
     "train": train.train_set,
+    "scale": scale.scale_set,
 }
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxattn.cache import PagedKVCache
@@ -50,10 +50,19 @@ def _spec(path: tuple, ndim: int, tp, kv_split: bool) -> P:
     return P(*([None] * ndim))
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` with auto axes: the model's parameters are placed so, and XLA's partitioner
+    carries their split through the matmuls (with explicit axes, `jax.make_mesh`'s default,
+    every row-parallel matmul would need an `out_sharding` written into the model)."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def param_shardings(model: nnx.Module, mesh: Mesh, tp: str | tuple[str, ...] = "tp"):
     """The `NamedSharding` of each of `model`'s parameters (an `nnx.State`), by the rules
-    above. `model` has a Llama's config (`num_q_heads`, `num_kv_heads`)."""
+    above, on `mesh`'s devices with auto axes (`auto_axes`). `model` has a Llama's config
+    (`num_q_heads`, `num_kv_heads`)."""
     config = model.config
+    mesh = auto_axes(mesh)
     n = axes_size(mesh, tp)
     if config.num_q_heads % n:
         raise ValueError(
@@ -97,6 +106,7 @@ def shard_serving(model, caches, manager, mesh: Mesh, tp: str | tuple[str, ...] 
     layers write each new k/v to every copy: each device keeps and reads its query heads'
     kv head only, as vLLM and TensorRT-LLM do."""
     shard_model(model, mesh, tp)
+    mesh = auto_axes(mesh)
     n = axes_size(mesh, tp)
     caches = [duplicate_kv_heads(c, n) for c in caches]
     caches = [shard_cache(c, mesh, tp) for c in caches]
