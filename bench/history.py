@@ -6,7 +6,8 @@ A run is a block: a `## <date> UTC - <device>, jax <version>` heading, a preambl
 perhaps `### probes ...` notes). When a new run measures set X, the sections of X leave
 the older blocks for HISTORY.md, each under its block's heading and preamble; a block left
 with no set section leaves whole (its probe notes with it). Blocks with no set section at
-all (ad-hoc probe write-ups) go straight to HISTORY.md.
+all (ad-hoc probe write-ups) go straight to HISTORY.md. Only the newest probe notes stay in
+RESULTS.md: older ones leave, under their block's heading, on the next write.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ HEADER = (
     "# Benchmark results: the latest run of each set (`python -m bench.run`)\n\n"
     "Every row was checked against the float32 reference (`jaxattn.reference`) before it was "
     "timed. Runs are newest first; the line under each heading says which code it measured. "
-    "Older runs of each set and the ad-hoc probe write-ups are in `bench/HISTORY.md`.\n"
+    "Older runs of each set, and every probe write-up (ad-hoc scripts, not `make bench`) but "
+    "the newest, are in `bench/HISTORY.md`.\n"
 )
 HISTORY_HEADER = (
     "# Benchmark history\n\n"
-    "Runs and probe write-ups that a newer run of the same set replaced in "
-    "`bench/RESULTS.md`, in the order they left it (oldest first).\n"
+    "The runs of each set that a newer run replaced in `bench/RESULTS.md`, and the probe "
+    "write-ups but the newest, appended in the order they left it (oldest first). A run "
+    "whose sets left at different times appears once per move, under its heading.\n"
 )
 
 
@@ -78,7 +81,23 @@ def add_run(latest: list[Block], new: Block) -> tuple[list[Block], list[Block]]:
                 leaving.append(Block(block.head, goes))
         else:
             leaving.append(block)
-    return [new, *kept], leaving
+    latest, old_probes = _newest_probes_only([new, *kept])
+    return latest, leaving + old_probes
+
+
+def _newest_probes_only(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
+    """(`blocks` keeping only the first (newest) probe notes, the older probe notes, each
+    under its block's heading)."""
+    kept, leaving, seen = [], [], False
+    for block in blocks:
+        probes = [(n, t) for n, t in block.sections if n == "probes"]
+        if probes and seen:
+            kept.append(Block(block.head, [(n, t) for n, t in block.sections if n != "probes"]))
+            leaving.append(Block(block.head, probes))
+        else:
+            kept.append(block)
+        seen = seen or bool(probes)
+    return kept, leaving
 
 
 def _write(path: Path, header: str, blocks: list[Block]) -> None:
@@ -90,17 +109,6 @@ def write(results_md: Path, history_md: Path, section: str) -> None:
     latest = parse(results_md.read_text()) if results_md.exists() else []
     history = parse(history_md.read_text()) if history_md.exists() else []
     for block in parse(section):
-        latest, leaving = add_run(latest, block)
-        history.extend(leaving)
-    _write(results_md, HEADER, latest)
-    _write(history_md, HISTORY_HEADER, history)
-
-
-def migrate(old_results: str, results_md: Path, history_md: Path) -> None:
-    """Rebuilds both files from an append-only results file (runs oldest first)."""
-    latest: list[Block] = []
-    history: list[Block] = []
-    for block in parse(old_results):
         latest, leaving = add_run(latest, block)
         history.extend(leaving)
     _write(results_md, HEADER, latest)

@@ -19,13 +19,14 @@ FasterTransformer's fast integer converters:
 - INT8 code `c`: 9 significant bits do not fit a bf16 lane, so each becomes a float32
   first: `c ^ 0x80` under the bytes `0x4B 00 00` is `2**23 + c + 128`; one `sub.f32`
   leaves `c`, and `cvt.rn.bf16x2.f32` packs two (exact, |c| <= 128). (A bf16-only form,
-  `0x4300 | low7` plus `0xC300 | sign`, ran slower than the plain cast: RESULTS.md
-  12:45 UTC.)
+  `0x4300 | low7` plus `0xC300 | sign`, ran slower than the plain cast: bench/HISTORY.md,
+  run of 2026-11-22 12:45 UTC.)
 
 Every value is exact, the same number as the plain cast, which interpret mode (the CPU)
 computes instead: inline PTX runs on the GPU only. H100, B64 ctx16384 decode, speed
-against the bf16 cache: FP8 1.48x -> 1.66x, INT4 1.63x -> 2.36x (RESULTS.md 12:56 UTC);
-INT8 1.57x -> 1.67x (probe of 2026-11-22 14:44 UTC, same machine and run for both).
+against the bf16 cache: FP8 1.48x -> 1.66x, INT4 1.63x -> 2.36x (bench/HISTORY.md, run of
+12:56 UTC); INT8 1.57x -> 1.67x (probe of 2026-11-22 14:47 UTC, same machine and run for
+both).
 """
 
 from __future__ import annotations

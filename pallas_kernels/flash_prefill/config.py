@@ -61,18 +61,18 @@ class FlashPrefillConfig:
 
         `q_len`/`kv_len` are per-sequence token counts (the maximum); `lengths`: q/kv
         lengths are data; `packed`: a packed (cu_seqlens) batch; `logit_tiles`: a bias,
-        mask or T5 table is read per key block. Measured on an H100 (bench/RESULTS.md,
+        mask or T5 table is read per key block. Measured on an H100 (bench/HISTORY.md,
         2026-11-22), bf16 D128 GQA 32/8: 128x128 tiles run 4-20% faster than 128x64, with
         lengths as data too since the kernel runs its masked blocks first (the chunk's
         work with lengths: 463 vs 435 TFLOP/s; 344 on 128x128 before); three pipeline
         stages beat two and four; packed mixed-length batches run 10% faster on 64x32
         tiles than on 128x64 (less waste in partial tiles; 64x64 was level within noise
-        in the sweep of 2026-11-22 15:06 UTC). Bias/mask/T5 tiles are pipelined too: at
+        in the sweep before the 16:33 UTC run). Bias/mask/T5 tiles are pipelined too: at
         128x128x3 they need up to 352 KiB of shared memory (the H100 has 227), at
         128x64x2 they fit.
         `paged`: keys come from a paged cache (chunked context); a 2048-token chunk over a
         14k prefix runs at 348 TFLOP/s on 128x64x8x3, against 284 on 128x128x8x3 and
-        279 on 64x32x4x3 (sweep of 2026-11-22 15:06 UTC, bench/RESULTS.md).
+        279 on 64x32x4x3 (2026-11-22 sweep before the 16:33 UTC run, bench/HISTORY.md).
         """
         padded_dim = next_power_of_2(head_dim)
         if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:

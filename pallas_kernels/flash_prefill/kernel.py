@@ -201,7 +201,8 @@ def _flash_prefill_kernel(
         # The query rows load under the array's bounds only: rows past the sequence's
         # belong to the next one and their results are never stored. Under `row_store`
         # the load and the output store would share one mask, kept live across the key
-        # loops: packed tiles ran 25% slower so (H100, 2026-11-22 15:06 UTC probe).
+        # loops: packed tiles ran 25% slower so (H100, 2026-11-22 probe before the 16:33
+        # UTC run).
         q_ok = ((q_start + rows) < q_ref.shape[0])[:, None] & dim_ok
         q = plgpu.load(  # [block_q, Dp]
             q_ref.at[pl.ds(q_start + r0, block_q), h, dims], mask=q_ok, other=0.0
@@ -281,7 +282,8 @@ def _flash_prefill_kernel(
         q_window = q._replace(sink=None) if has_rope else q
         # The masked edges first: what their masks need (positions, lengths) is then dead
         # during the long unmasked run. Ending on the causal diagonal kept it live, and
-        # with lengths as data 128x128 tiles ran 27% slower (H100, probe of 2026-11-22 15:06 UTC).
+        # with lengths as data 128x128 tiles ran 27% slower (H100, 2026-11-22 probe before
+        # the 16:33 UTC run).
         carry = run(lo_b, full_lo_b, True, carry, q_window)
         carry = run(full_hi_b, hi_b, True, carry, q_window)
         carry = run(full_lo_b, full_hi_b, False, carry, q_window)

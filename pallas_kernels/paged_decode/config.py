@@ -56,13 +56,13 @@ class PagedDecodeConfig:
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
-        Tuned on an H100 (bench/RESULTS.md, decode sweeps; bf16, D 128, pages of 16):
+        Tuned on an H100 (bench/HISTORY.md, decode sweeps; bf16, D 128, pages of 16):
         - >= one program per SM, contexts of 8192 and more: 128-token blocks in 2 stages,
           split into about 16 programs per SM (B32: 8 splits, B64: 4) as long as a split
           holds at least 1024 tokens. Programs of equal chunks then keep every SM busy to
           the end with ragged lengths: B64 ctx16384 ragged 797 against 870 us unsplit,
           B64 ctx8192 ragged 410 against 466, B32 ctx16384 ragged 386 against 409 (two
-          splits); uniform lengths pay 0.6-2.3% (sweep of 2026-11-22 22:35-22:41 UTC).
+          splits); uniform lengths pay 0.6-2.3% (sweep of 2026-11-22 22:29 UTC).
           `max_context` is the tables' capacity: rows much shorter than it get short
           chunks (4 splits of B64 rows of 2048 tokens: 202 against 190 us).
         - >= one program per SM, shorter contexts: 64-token blocks, 3 stages (2.9 TB/s at
@@ -74,12 +74,12 @@ class PagedDecodeConfig:
           two 128-token blocks (the split's start-up and the combine pass then stay
           small); 128-token blocks in 2 stages were best with ragged lengths (B8 ctx8192:
           65 against 68-70 us for 64-token tilings) and within 3% of the best otherwise
-          (64x2x3: 99 against 102 us with uniform lengths; sweep of 2026-11-22 21:00-21:37 UTC).
+          (64x2x3: 99 against 102 us with uniform lengths; sweep of 2026-11-22 20:42-21:37 UTC).
         - quantized caches (`code`: "int8", "float8_e4m3fn", "int4"; in-kernel
           dequantization): 128-token blocks and at least two splits were best for every
           format at B64 ctx16384 (up to 1.35x over 64x4x3 unsplit); 2 stages, except INT4:
           3 stages ran 4% faster there (0.561 vs 0.583 ms), INT8 2% slower (sweep of
-          2026-11-22 14:44 UTC, RESULTS.md probes).
+          2026-11-22 14:51 UTC, bench/HISTORY.md probes).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
