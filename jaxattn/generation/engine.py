@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxattn.generation.progress import ProgressBar, RunStats
@@ -39,7 +40,7 @@ from jaxattn.generation.scheduler import Limits, Request, Scheduler, Status
 from jaxattn.manager import KVCacheManager, pad_ids
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.models.llama import Llama
-from jaxattn.parallel.tensor import shard_serving
+from jaxattn.parallel.tensor import auto_axes, shard_serving
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -107,10 +108,16 @@ class StepInputs:
     seeds: Int[Array, " S"]
 
 
-def _serve_step(graphdef, on_trace, state, caches, mgr, inputs: StepInputs, key, decode_only):
+def _serve_step(
+    graphdef, on_trace, gather, state, caches, mgr, inputs: StepInputs, key, decode_only
+):
     """One step (jitted; caches and mgr donated): `(tokens int32 [S], ok, caches, mgr)`,
     ok False when the pool could not hold the rows (the scheduler prevents it).
-    decode_only (static): every row generates (no prompt chunk): the decode kernel alone."""
+    decode_only (static): every row generates (no prompt chunk): the decode kernel alone.
+    gather: None, or under tensor parallelism the logits' shardings (split by vocabulary
+    as the lm_head leaves them, then replicated): the logits are gathered once and every
+    device samples whole rows (else the sampler's sorts, cumsum and argmax each gather;
+    the first constraint keeps XLA from gathering the lm_head's weight instead)."""
     on_trace()
     model = nnx.merge(graphdef, state)
     mgr = mgr.release(inputs.release)
@@ -119,6 +126,8 @@ def _serve_step(graphdef, on_trace, state, caches, mgr, inputs: StepInputs, key,
         mgr, inputs.seq_ids, inputs.q_lens, inputs.tokens.shape[0], decode_only=decode_only
     )
     logits, caches = model.step(inputs.tokens, caches, meta, logits_indices=inputs.last)
+    for sharding in gather or ():
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
     keys = row_keys(key, inputs.seeds, inputs.lengths)
     tokens = sample(logits, keys, inputs.temperature, inputs.top_k, inputs.top_p)
     return tokens, ok, caches, mgr
@@ -136,8 +145,15 @@ class Engine:
 
     With `mesh`, the engine runs tensor-parallel over the mesh axis `tp_axis`
     (`jaxattn.parallel.shard_serving`): `model`'s parameters are placed split (in place),
-    each layer's cache split by kv head, the manager replicated; the same tokens come out
-    as on one device.
+    each layer's cache split by kv head (each kv head once per device that reads it when
+    there are fewer kv heads than devices), the manager and block tables replicated; the
+    same tokens come out as on one device. A step then communicates two all-reduces of the
+    step's `[T, d_model]` activations per layer (o_proj, down_proj), one for the
+    vocabulary-split embedding lookup, and one all-gather of the `[S, V]` logits before
+    sampling. Other mesh axes (e.g. "data") see the same step replicated.
+
+        mesh = jax.make_mesh((1, 4), ("data", "tp"))
+        engine = Engine(model, config, mesh=mesh, tp_axis="tp")  # shards model in place
     """
 
     def __init__(
@@ -154,10 +170,16 @@ class Engine:
         self.manager = KVCacheManager.create(
             config.num_pages, config.page_size, config.max_seqs, config.max_pages_per_seq
         )
+        gather = None
         if mesh is not None:
             self.caches, self.manager = shard_serving(
                 model, self.caches, self.manager, mesh, tp_axis
             )
+            head = model.embed_tokens.embedding if model.lm_head is None else model.lm_head.kernel
+            spec = (*head.get_value().sharding.spec, None, None)  # [V, d] or [d, V]
+            vocab = spec[0 if model.lm_head is None else 1]
+            mesh = auto_axes(mesh)
+            gather = (NamedSharding(mesh, P(None, vocab)), NamedSharding(mesh, P()))
         self.scheduler = Scheduler(
             Limits(
                 max_tokens=config.token_buckets[-1],
@@ -171,7 +193,7 @@ class Engine:
         self.stats = RunStats(num_pages=config.num_pages)
         graphdef, self._state = nnx.split(model)
         self._step = jax.jit(
-            functools.partial(_serve_step, graphdef, self._count_trace),
+            functools.partial(_serve_step, graphdef, self._count_trace, gather),
             donate_argnums=(1, 2),
             static_argnames="decode_only",
         )

@@ -6,6 +6,11 @@ Module and parameter names follow transformers' (`embed_tokens`, `layers[i].self
 (torch Linear weights are `[out, in]`, `nnx.Linear` kernels `[in, out]`).
 
 Axis legend: B sequences, T tokens, V vocabulary, d_model = hidden_size.
+
+Every parameter names its axes for placement on a mesh (`jaxattn.nn.sharding`): embedding
+("vocab", "embed"), lm_head ("embed", "vocab"), gate/up ("embed", "mlp"), down ("mlp",
+"embed"), norms ("embed",), the attention's as `jaxattn.nn.Attention` says.
+`jaxattn.parallel.shard_model` places a model by them (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jaxattn
 from jaxattn.cache import PagedKVCache
 from jaxattn.models.config import LlamaConfig
 from jaxattn.nn import Attention
+from jaxattn.nn.sharding import logical_axes
 from jaxattn.quant import KVQuant
 
 __all__ = ["DecoderLayer", "Llama", "MLP", "load_hf_state_dict"]
@@ -34,9 +40,15 @@ class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         linear = dict(use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         d_model, width = config.hidden_size, config.intermediate_size
-        self.gate_proj = nnx.Linear(d_model, width, **linear)
-        self.up_proj = nnx.Linear(d_model, width, **linear)
-        self.down_proj = nnx.Linear(width, d_model, **linear)
+        column = dict(
+            kernel_metadata=logical_axes("embed", "mlp"), bias_metadata=logical_axes("mlp")
+        )
+        row = dict(
+            kernel_metadata=logical_axes("mlp", "embed"), bias_metadata=logical_axes("embed")
+        )
+        self.gate_proj = nnx.Linear(d_model, width, **column, **linear)
+        self.up_proj = nnx.Linear(d_model, width, **column, **linear)
+        self.down_proj = nnx.Linear(width, d_model, **row, **linear)
 
     def __call__(self, x: Float[Array, "... d_model"]) -> Float[Array, "... d_model"]:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -46,7 +58,13 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
     def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs, **attn_kwargs):
-        norm = dict(epsilon=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = dict(
+            epsilon=config.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            scale_metadata=logical_axes("embed"),
+            rngs=rngs,
+        )
         self.input_layernorm = nnx.RMSNorm(config.hidden_size, **norm)
         self.self_attn = Attention(
             config.hidden_size,
@@ -103,19 +121,36 @@ class Llama(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype or param_dtype)
         types = dict(dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, **types, rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            embedding_metadata=logical_axes("vocab", "embed"),
+            **types,
+            rngs=rngs,
+        )
         layer = dict(
             fused_qkv=fused_qkv, attention_fn=attention_fn, paged_attention_fn=paged_attention_fn
         )
         self.layers = nnx.List(
             [DecoderLayer(config, **types, **layer, rngs=rngs) for _ in range(config.num_layers)]
         )
-        self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **types, rngs=rngs)
+        self.norm = nnx.RMSNorm(
+            config.hidden_size,
+            epsilon=config.rms_norm_eps,
+            scale_metadata=logical_axes("embed"),
+            **types,
+            rngs=rngs,
+        )
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nnx.Linear(
-                config.hidden_size, config.vocab_size, use_bias=False, **types, rngs=rngs
+                config.hidden_size,
+                config.vocab_size,
+                use_bias=False,
+                kernel_metadata=logical_axes("embed", "vocab"),
+                **types,
+                rngs=rngs,
             )
         )
 

@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 import jaxattn
 from jaxattn.cache import PagedKVCache
+from jaxattn.nn.sharding import logical_axes
 from jaxattn.rope import RoPE, apply_rope
 
 __all__ = ["Attention"]
@@ -28,7 +29,9 @@ class Attention(nnx.Module):
       q_proj `[d_model, Hq*D]`, k_proj / v_proj `[d_model, Hkv*D]`, or with `fused_qkv`
       one qkv_proj `[d_model, (Hq + 2*Hkv)*D]` (columns: q heads, then k heads, then v
       heads, each head's D channels contiguous); o_proj `[Hq*D, d_model]`; with `qk_norm`,
-      q_norm / k_norm scales `[D]`.
+      q_norm / k_norm scales `[D]`. Each carries the logical names of its axes ("embed",
+      "q_heads", "kv_heads", "qkv", "norm": `jaxattn.nn.sharding`), which place it on a
+      mesh (`jaxattn.parallel.shard_model`).
 
     Two call modes, picked by whether a cache is passed:
 
@@ -104,14 +107,25 @@ class Attention(nnx.Module):
         self.attention_fn, self.paged_attention_fn = attention_fn, paged_attention_fn
         linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         q_dim, kv_dim = num_q_heads * head_dim, num_kv_heads * head_dim
+
+        def project(d_in, d_out, axes, bias):  # axes: logical names of the kernel's axes
+            meta = dict(kernel_metadata=logical_axes(*axes), bias_metadata=logical_axes(axes[1]))
+            return nnx.Linear(d_in, d_out, use_bias=bias, **meta, **linear)
+
         if fused_qkv:
-            self.qkv_proj = nnx.Linear(d_model, q_dim + 2 * kv_dim, use_bias=qkv_bias, **linear)
+            self.qkv_proj = project(d_model, q_dim + 2 * kv_dim, ("embed", "qkv"), qkv_bias)
         else:
-            self.q_proj = nnx.Linear(d_model, q_dim, use_bias=qkv_bias, **linear)
-            self.k_proj = nnx.Linear(d_model, kv_dim, use_bias=qkv_bias, **linear)
-            self.v_proj = nnx.Linear(d_model, kv_dim, use_bias=qkv_bias, **linear)
-        self.o_proj = nnx.Linear(q_dim, d_model, use_bias=out_bias, **linear)
-        norm = dict(epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.q_proj = project(d_model, q_dim, ("embed", "q_heads"), qkv_bias)
+            self.k_proj = project(d_model, kv_dim, ("embed", "kv_heads"), qkv_bias)
+            self.v_proj = project(d_model, kv_dim, ("embed", "kv_heads"), qkv_bias)
+        self.o_proj = project(q_dim, d_model, ("q_heads", "embed"), out_bias)
+        norm = dict(
+            epsilon=norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            scale_metadata=logical_axes("norm"),
+            rngs=rngs,
+        )
         self.q_norm = nnx.RMSNorm(head_dim, **norm) if qk_norm else None
         self.k_norm = nnx.RMSNorm(head_dim, **norm) if qk_norm else None
 

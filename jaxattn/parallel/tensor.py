@@ -1,20 +1,23 @@
 """Tensor parallelism for the Llama (Megatron's split) on a mesh axis.
 
-Rules, by parameter (kernels `[in, out]` as in `nnx.Linear`):
+Placement comes from each parameter's logical axis names (`jaxattn.nn.sharding`) and the
+tensor-parallel rules over them (`tensor_parallel_rules`); kernels are `[in, out]`:
 
-  q_proj, gate_proj, up_proj, lm_head   column-parallel: kernel `P(None, tp)`, bias `P(tp)`
+  q_proj, gate_proj, up_proj            column-parallel: kernel `P(None, tp)`, bias `P(tp)`
   k_proj, v_proj                        column-parallel by kv head; replicated when the kv
                                         heads do not split over tp (the vLLM / TensorRT-LLM
                                         rule; the serving caches then hold each kv head
                                         once per device that reads it: `shard_serving`)
   o_proj, down_proj                     row-parallel: kernel `P(tp, None)`, bias replicated
-  qkv_proj (fused), embed_tokens, norms replicated
+  lm_head, embed_tokens                 split by vocabulary (when it divides)
+  qkv_proj (fused), norms               replicated
 
 Column splits of q_proj fall on head boundaries (Hq % tp == 0), so the attention's query
 heads arrive split and its kernels run shard-local (`jaxattn.parallel.partition`); a
 row-parallel projection ends each block with one all-reduce, as in Megatron. A fused
 qkv_proj interleaves no per-shard groups: it stays whole (use separate projections under
-tensor parallelism). The lm_head's vocabulary split leaves the logits split by vocabulary.
+tensor parallelism). The vocabulary split leaves the logits split by vocabulary and makes
+the embedding lookup a masked local gather plus one all-reduce.
 
 Nothing here changes results: a sharding only places data (XLA keeps the program's
 meaning), so a tensor-parallel model gives the single-device model's logits.
@@ -33,22 +36,6 @@ from jaxattn.parallel.sharding import axes_size, shard_cache
 
 __all__ = ["duplicate_kv_heads", "param_shardings", "shard_model", "shard_serving"]
 
-_COLUMN = ("q_proj", "gate_proj", "up_proj", "lm_head")
-_KV = ("k_proj", "v_proj")
-_ROW = ("o_proj", "down_proj")
-
-
-def _spec(path: tuple, ndim: int, tp, kv_split: bool) -> P:
-    names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-    if names and names[-1] == "value":  # a Variable's array
-        names = names[:-1]
-    module, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
-    if module in _COLUMN or (module in _KV and kv_split):
-        return P(None, tp) if leaf == "kernel" else P(tp)
-    if module in _ROW and leaf == "kernel":
-        return P(tp, None)
-    return P(*([None] * ndim))
-
 
 def auto_axes(mesh: Mesh) -> Mesh:
     """`mesh` with auto axes: the model's parameters are placed so, and XLA's partitioner
@@ -58,21 +45,18 @@ def auto_axes(mesh: Mesh) -> Mesh:
 
 
 def param_shardings(model: nnx.Module, mesh: Mesh, tp: str | tuple[str, ...] = "tp"):
-    """The `NamedSharding` of each of `model`'s parameters (an `nnx.State`), by the rules
-    above, on `mesh`'s devices with auto axes (`auto_axes`). `model` has a Llama's config
-    (`num_q_heads`, `num_kv_heads`)."""
-    config = model.config
+    """The `NamedSharding` of each of `model`'s parameters (an `nnx.State`): their logical
+    axis names under `tensor_parallel_rules` for `mesh`'s size along `tp`, on `mesh`'s
+    devices with auto axes (`auto_axes`). `model` has a Llama's config (`num_q_heads`,
+    `num_kv_heads`, `intermediate_size`, `vocab_size`)."""
+    from jaxattn.nn.sharding import tensor_parallel_rules  # jaxattn.nn imports the ops
+
     mesh = auto_axes(mesh)
-    n = axes_size(mesh, tp)
-    if config.num_q_heads % n:
-        raise ValueError(
-            f"tensor parallelism over {tp} ({n} devices): num_q_heads={config.num_q_heads} "
-            "must split evenly"
-        )
-    kv_split = config.num_kv_heads % n == 0
-    state = nnx.state(model, nnx.Param)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, _spec(path, x.ndim, tp, kv_split)), state
+    rules = tensor_parallel_rules(model.config, axes_size(mesh, tp), tp)
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
     )
 
 
