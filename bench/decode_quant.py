@@ -1,11 +1,13 @@
 """Decode over quantized KV caches (INT8 / FP8 / INT4, per-tensor and per-group scales).
 
-Set `decode_quant`: B64 ctx16384 (bf16 queries, GQA 32/8, head_dim 128, page 16, pages
-scattered), the same K/V written into a bf16 cache and into each quantized format with
-`write_kv`; ours (`paged_decode`, dequantizing in-kernel) on each. Bytes read count the
-stored values plus the scales (per-group: bf16 pages beside the data); "vs bf16" is the
-speedup over the bf16 cache's time in the same run. Each output is checked against the
-reference run on the same (dequantized) cache.
+Set `decode_quant`: B64 ctx16384 and B8 ctx8192 (bf16 queries, GQA 32/8, head_dim 128,
+page 16, pages scattered), the same K/V written into a bf16 cache and into each quantized
+format with `write_kv`: INT8, FP8 and INT4 with a scale per tensor, per group of 8, 16,
+32 or 64 channels, or per head row (group D = 128); ours (`paged_decode`, dequantizing
+in-kernel) on each. Bytes read count the stored values plus the scales (per-group: bf16
+pages beside the data, as many bytes as OpenPPL's float16 scales); "vs bf16" is the
+speedup over the bf16 cache's time in the same run, and "ideal" the ratio of bytes read.
+Each output is checked against the reference run on the same (dequantized) cache.
 """
 
 from __future__ import annotations
@@ -19,23 +21,19 @@ import numpy as np
 from bench.common import TOLERANCES, SetResult, Settings, bench_ours, progress
 from bench.decode import DecodeRow, _reference, _sweep, ours
 
-ROW, SMOKE_ROW = DecodeRow(64, 16384), DecodeRow(2, 512)
+ROWS, SMOKE_ROWS = (DecodeRow(64, 16384), DecodeRow(8, 8192)), (DecodeRow(2, 512),)
 HEADS, SMOKE_HEADS = (32, 8, 128, 16), (4, 2, 32, 8)
+GROUPS, SMOKE_GROUPS = (8, 16, 32, 64, None), (8, None)
 
 
-def formats():
+def formats(smoke: bool = False):
     import jaxattn
 
-    return [
-        None,
-        jaxattn.KVQuant("int8"),
-        jaxattn.KVQuant("float8_e4m3fn"),
-        jaxattn.KVQuant("int4"),
-        jaxattn.KVQuant("int8", "group"),
-        jaxattn.KVQuant("float8_e4m3fn", "group"),
-        jaxattn.KVQuant("int4", "group"),
-        jaxattn.KVQuant("int4", "group", 32),
-    ]
+    found = [None]
+    for dtype in ("int8", "float8_e4m3fn", "int4"):
+        found.append(jaxattn.KVQuant(dtype))
+        found += [jaxattn.KVQuant(dtype, "group", g) for g in (SMOKE_GROUPS if smoke else GROUPS)]
+    return found
 
 
 def bytes_per_token_head(quant, head_dim: int) -> int:
@@ -54,9 +52,22 @@ def label(quant) -> str:
 
 
 def decode_quant_set(settings: Settings) -> SetResult:
+    rows = []
+    for row in SMOKE_ROWS if settings.smoke else ROWS:
+        rows += _decode_quant_rows(settings, row)
+    num_q_heads, num_kv_heads, head_dim, page_size = SMOKE_HEADS if settings.smoke else HEADS
+    description = (
+        f"bf16 queries, Hq {num_q_heads} / Hkv {num_kv_heads}, D {head_dim}, page {page_size}, "
+        "pages scattered; per-tensor scales calibrated from the K/V (amax); per-group scales "
+        "computed on write"
+    )
+    return SetResult("decode_quant", description, rows)
+
+
+def _decode_quant_rows(settings: Settings, row: DecodeRow) -> list:
     import jaxattn
 
-    row, heads = (SMOKE_ROW, SMOKE_HEADS) if settings.smoke else (ROW, HEADS)
+    heads = SMOKE_HEADS if settings.smoke else HEADS
     num_q_heads, num_kv_heads, head_dim, page_size = heads
     pages_per_seq = row.context // page_size
     num_pages = row.batch * pages_per_seq
@@ -74,7 +85,7 @@ def decode_quant_set(settings: Settings) -> SetResult:
     write = jax.jit(jaxattn.write_kv, donate_argnums=0)
 
     rows, base_ms = [], None
-    for quant in formats():
+    for quant in formats(settings.smoke):
         scales = {}
         if quant is not None and quant.granularity == "tensor":
             k_scale, v_scale = jaxattn.calibrate_kv_scales(k, v, quant)
@@ -92,6 +103,7 @@ def decode_quant_set(settings: Settings) -> SetResult:
         )
         kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
         kv_bytes *= bytes_per_token_head(quant, head_dim)
+        ideal = bytes_per_token_head(None, head_dim) / bytes_per_token_head(quant, head_dim)
         row_args = dict(
             set_name="decode_quant", shape=f"B{row.batch} ctx{row.context} {label(quant)}",
             ref=_reference(q, cache, tables, lengths), tol=TOLERANCES[jnp.dtype(jnp.bfloat16)],
@@ -103,13 +115,8 @@ def decode_quant_set(settings: Settings) -> SetResult:
         )  # fmt: skip
         if mine.status == "ok":
             base_ms = base_ms or mine.time_ms
-            mine = progress(
-                dataclasses.replace(mine, notes=f"{mine.notes}; {base_ms / mine.time_ms:.2f}x bf16")
-            )
+            speed = f"{base_ms / mine.time_ms:.2f}x bf16 (ideal {ideal:.2f}x)"
+            mine = progress(dataclasses.replace(mine, notes=f"{mine.notes}; {speed}"))
         rows += [mine, *variants]
         del cache
-    description = (
-        f"bf16 queries, Hq {num_q_heads} / Hkv {num_kv_heads}, D {head_dim}, page {page_size}, "
-        "pages scattered; per-tensor scales calibrated from the K/V (amax)"
-    )
-    return SetResult("decode_quant", description, rows)
+    return rows

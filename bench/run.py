@@ -14,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from bench import decode, decode_quant, model, prefill, report, scale, serving, train
+from bench import decode, decode_quant, model, ppl, prefill, report, scale, serving, train
 from bench.common import SetResult, Settings, describe_error, measure_ceilings
 
 # A set takes the settings and returns its rows; new sets (decode, ...) register here.
@@ -25,6 +25,7 @@ SETS: dict[str, Callable[[Settings], SetResult]] = {
     "decode_quant": decode_quant.decode_quant_set,
     "serving_mixed": serving.mixed_set,
     "serving_chunk": serving.chunk_set,
+    "ppl": ppl.ppl_set,
     "model": model.model_set,
     "train": train.train_set,
     "scale": scale.scale_set,

@@ -37,6 +37,13 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def dot_width(n: int) -> int:
+    """Columns of a tile that a dot contracts over `n` channels: the next power of two,
+    at least 16 (Triton's dot needs K >= 16; narrower tiles compiled to wrong results:
+    INT4 parts of head_dim 16 are 8 channels wide)."""
+    return max(16, next_power_of_2(n))
+
+
 def relative_position_bucket(
     relative_position: jax.Array, num_buckets: int, max_distance: int, bidirectional: bool
 ) -> jax.Array:

@@ -47,13 +47,13 @@ def _history_gather_kernel(
         from_cache, from_new = page >= 0, new >= 0
         dims = jnp.arange(next_power_of_2(head_dim))
         dim_ok = (dims < head_dim)[None, :]
-        at = (jnp.clip(page, 0, k_pool.shape[0] - 1)[:, None], kvh, offset[:, None])
+        at = (page[:, None], kvh, offset[:, None])  # pages clipped into the pool on read
         new_at = (jnp.maximum(new, 0)[:, None], kvh, dims[None, :])
-        for pool, scale, fresh, out in (
+        for kv, (pool, scale, fresh, out) in enumerate((
             (k_pool, k_scale, k_new, k_out),
             (v_pool, v_scale, v_new, v_out),
-        ):
-            cached = read_rows(pool, scale, fmt, at, from_cache, head_dim, out.dtype)
+        )):  # fmt: skip
+            cached = read_rows(pool, scale, fmt, at, kv, from_cache, head_dim, out.dtype)
             tile = plgpu.load(fresh.at[new_at], mask=from_new[:, None] & dim_ok, other=0.0)
             tile = jnp.where(from_cache[:, None], cached, tile.astype(out.dtype))
             store_ok = jnp.broadcast_to(dim_ok, tile.shape)

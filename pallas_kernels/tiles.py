@@ -18,10 +18,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # Columns of the packed tile table: one row of int32 per tile. _ROW: the tile's first row
-# of the tiled axis (query rows, or keys) within its sequence; _NUM_REAL (the same in every
-# row): how many tiles have rows, the first ones after the sort.
-(_Q_START, _Q_ROWS, _Q_LEN, _K_START, _K_ROWS, _KV_LEN, _ROW, _SEQ, _NUM_REAL,
- _NUM_COLS) = range(10)  # fmt: skip
+# of the tiled axis (query rows, or keys) within its sequence; _K_COL: the bias/mask column
+# of the sequence's key 0 in packed coordinates; _NUM_REAL (the same in every row): how many
+# tiles have rows, the first ones after the sort.
+(_Q_START, _Q_ROWS, _Q_LEN, _K_START, _K_ROWS, _KV_LEN, _ROW, _SEQ, _K_COL, _NUM_REAL,
+ _NUM_COLS) = range(11)  # fmt: skip
 # Programs beyond one per block of tokens, for packed batches: tiles cut by sequence ends.
 SPARE_PROGRAMS = 8
 
@@ -60,7 +61,8 @@ def packed_tile_table(batch, block: int, num_tiles: int, params, axis: str = "q"
             cost = jnp.minimum(cost, params.window + block)
     cost = jnp.where(row < rows[seq], jnp.maximum(cost, 1), 0)
     columns = [batch.q_start, batch.q_rows, batch.q_len, batch.k_start, k_rows, batch.kv_len]
-    columns = [c[seq] for c in columns] + [row, seq]
+    k_cols = batch.k_start if batch.k_cols is None else batch.k_cols
+    columns = [c[seq] for c in columns] + [row, seq, k_cols[seq]]
     columns = jax.lax.sort([-cost, *(c.astype(jnp.int32) for c in columns)], num_keys=1)[1:]
     num_real = jnp.full((num_tiles,), jnp.sum(cost > 0, dtype=jnp.int32))
     return jnp.stack([*columns, num_real], axis=1)

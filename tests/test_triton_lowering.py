@@ -414,3 +414,53 @@ def test_fp8_output_paged_attention_lowers_to_triton(quant):
         OUT_SCALE,
     )
     _assert_fp8_triton(text)
+
+
+@pytest.mark.parametrize("layout", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "quant_bit, options",
+    [(0, dict(cache_mode=0)), (8, dict(cache_mode=1, is_alibi=True)),
+     (4, dict(cache_mode=1, attn_mask=True))],
+    ids=["plain-offsets", "int8-pages-alibi", "int4-pages-mask"],
+)  # fmt: skip
+def test_ppl_op_lowers_to_triton(layout, quant_bit, options):
+    """OpenPPL's op: both kernels read the layer-stacked cache of each layout in place
+    (and the unmasked second flash launch of decoding batches: causal steps); with a
+    mask, the flash kernel alone."""
+    from jaxattn import ppl
+    from jaxattn.ppl.cache import PPLCache
+
+    options = dict(options)
+    mask = options.pop("attn_mask", False)
+    head_dim, max_t, tokens = 128, 4096, 96
+    spec = PPLCache(2, 1, 8, head_dim, quant_bit, 8, options["cache_mode"], layout, 16)
+    cache = _spec(spec.shape(max_t, head_dim // 2 if quant_bit == 4 else head_dim),
+                  {0: jnp.bfloat16, 8: jnp.int8, 4: jnp.uint8}[quant_bit])  # fmt: skip
+    scale = _spec(spec.shape(max_t, head_dim // 8), jnp.float16) if quant_bit else None
+    starts = _spec((9,), jnp.int32)
+    cachestarts = _spec((8,) if options["cache_mode"] == 0 else (8, 32), jnp.int32)
+
+    def fn(q, k, v, seqstarts, kvstarts, cachestarts, start_pos, decoding, cache, scale, mask):
+        return ppl.multi_head_cache_attention(
+            q, k, v, seqstarts, kvstarts, cachestarts, start_pos, decoding, 64, 512, cache,
+            scale, mask, num_heads=32, num_kv_heads=8, head_dim=head_dim, is_causal=True,
+            num_layer=2, layer_idx=1, quant_bit=quant_bit, cache_layout=layout, page_size=16,
+            implementation="pallas", **options,
+        )  # fmt: skip
+
+    text = _lower(
+        jax.jit(fn),
+        _spec((tokens, 32, head_dim), jnp.float16),
+        _spec((tokens, 8, head_dim), jnp.float16),
+        _spec((tokens, 8, head_dim), jnp.float16),
+        starts,
+        starts,
+        cachestarts,
+        _spec((8,), jnp.int32),
+        _spec((), jnp.int32),
+        cache,
+        scale,
+        _spec((tokens, 4096), jnp.float16) if mask else None,
+    )
+    launches = {k: text.count(f'name = "{k}"') for k in ("paged_decode", "flash_prefill")}
+    assert launches == {"paged_decode": 0 if mask else 1, "flash_prefill": 2}, launches

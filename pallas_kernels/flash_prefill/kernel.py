@@ -52,6 +52,7 @@ from pallas_kernels.flash_prefill.keys import CacheRefs, KeyBlocks
 from pallas_kernels.flash_prefill.logits import TermRefs, TileLogits
 from pallas_kernels.output import FP8, inverse_scale, output_value
 from pallas_kernels.tiles import (
+    _K_COL,
     _K_START,
     _KV_LEN,
     _NUM_REAL,
@@ -77,7 +78,9 @@ class Batch:
     `q_start[b] : q_start[b] + q_rows[b]` (the first `q_len[b]` real) and keys
     `k_start[b] : k_start[b] + kv_len[b]`; `k_rows[b]` (optional, >= kv_len[b]) says how
     many key rows from `k_start[b]` it owns for the backward's dK/dV (zeros past kv_len:
-    the trailing padding keys of a packed batch).
+    the trailing padding keys of a packed batch). `k_cols[b]` (optional, forward only):
+    the bias/mask column of its key 0 in packed coordinates (default `k_start[b]`; with a
+    cached prefix the packed keys start at the prefix, the columns need not).
 
     All arrays int32 `[S]`; `q_start`, `q_rows`, `k_start` are None for dense batches, and
     so are `q_len` / `kv_len` when every sequence is full (the kernel then has static
@@ -90,6 +93,7 @@ class Batch:
     q_rows: Int[Array, " S"] | None = None
     k_start: Int[Array, " S"] | None = None
     k_rows: Int[Array, " S"] | None = None
+    k_cols: Int[Array, " S"] | None = None
     dense: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
@@ -182,6 +186,7 @@ def _flash_prefill_kernel(
             seq = tile % num_seqs
             r0 = (pl.cdiv(q_rows, block_q) - 1 - tile // num_seqs) * block_q
             q_start, k_start = seq * q_rows, seq * kv_rows_per_seq
+            k_col = k_start
             # Without lengths they stay Python ints, and so do the loop bounds of full attention.
             q_len, kv_len = q_rows, kv_rows_per_seq
             if has_index:
@@ -190,6 +195,7 @@ def _flash_prefill_kernel(
             q_start, q_rows = index_ref[tile, _Q_START], index_ref[tile, _Q_ROWS]
             q_len, k_start = index_ref[tile, _Q_LEN], index_ref[tile, _K_START]
             kv_len, r0, seq = index_ref[tile, _KV_LEN], index_ref[tile, _ROW], index_ref[tile, _SEQ]
+            k_col = index_ref[tile, _K_COL]
         kvh = h // group
 
         padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
@@ -224,7 +230,7 @@ def _flash_prefill_kernel(
             h,
             seq,
             q_start,
-            k_start,
+            k_col,
             r0,
             row_store,
             q_pos,

@@ -31,7 +31,8 @@ from pallas_kernels.cache_read import CacheFormat, read_rows, ring_position
 @dataclasses.dataclass(frozen=True)
 class CacheRefs:
     """The kernel's refs of a cached prefix: block tables `[S, M]`, pools `[N, Hkv, P,
-    Dp]`, scales (None, `[1]` or `[N, Hkv, P, G]`), and what the pools hold."""
+    Dp]` (or as `fmt.layout` says), scales (None, `[1]` or mirroring the pools, groups
+    last), and what the pools hold."""
 
     table: Any
     k_pool: Any
@@ -76,27 +77,27 @@ class KeyBlocks:
         return plgpu.load(ref.at[rows, self.kvh, self.dims], mask=kv_ok, other=other)
 
     def locate(self, k0):
-        """Pages `[block_kv]` and offsets of keys k0.. in the cache (pages of keys past the
-        prefix read as 0)."""
+        """Block-table entries `[block_kv]` and offsets of keys k0.. in the cache (entries
+        of keys past the prefix read as 0; `read_rows` clips them into the pool)."""
         cache = self.cache
         t = k0 + jnp.arange(self.block_kv)
         stored_at = ring_position(t, cache.ring)
-        page_size, max_pages = cache.k_pool.shape[2], cache.table.shape[1]
+        page_size, max_pages = cache.fmt.layout.page_size_of(cache.k_pool), cache.table.shape[1]
         col = stored_at // page_size
         ok = (t < self.prefix) & (col < max_pages)
-        pages = plgpu.load(cache.table.at[self.seq, col], mask=ok, other=0)
-        pages = jnp.clip(pages, 0, cache.k_pool.shape[0] - 1)  # never read off the pool
-        return pages, stored_at % page_size
+        entries = plgpu.load(cache.table.at[self.seq, col], mask=ok, other=0)
+        return entries, stored_at % page_size
 
-    def load_cached(self, pool, scale, located, rows_ok):  # [block_kv, Dp]
-        pages, offsets = located
-        at = (pages[:, None], self.kvh, offsets[:, None])
-        return read_rows(pool, scale, self.cache.fmt, at, rows_ok, self.head_dim, self.dtype)
+    def load_cached(self, pool, scale, kv, located, rows_ok):  # [block_kv, Dp]
+        entries, offsets = located
+        at = (entries[:, None], self.kvh, offsets[:, None])
+        fmt = self.cache.fmt
+        return read_rows(pool, scale, fmt, at, kv, rows_ok, self.head_dim, self.dtype)
 
-    def load_mixed(self, ref, pool, scale, k0):  # [block_kv, Dp]: cached rows, then new
+    def load_mixed(self, ref, pool, scale, kv, k0):  # [block_kv, Dp]: cached rows, then new
         t = k0 + jnp.arange(self.block_kv)
         in_cache = t < self.prefix
-        tile = self.load_cached(pool, scale, self.locate(k0), in_cache)
+        tile = self.load_cached(pool, scale, kv, self.locate(k0), in_cache)
         fresh_ok = (t >= self.prefix) & (t < self.kv_len)
         rows = (self.k_start - self.prefix + t)[:, None]
         cols = jnp.arange(self.padded_dim)[None, :]
@@ -111,8 +112,8 @@ class KeyBlocks:
             k, load_v = load(self.k_ref), lambda: load(self.v_ref)
         else:  # "both"
             cache = self.cache
-            k = self.load_mixed(self.k_ref, cache.k_pool, cache.k_scale, k0)
-            load_v = lambda: self.load_mixed(self.v_ref, cache.v_pool, cache.v_scale, k0)  # noqa: E731
+            k = self.load_mixed(self.k_ref, cache.k_pool, cache.k_scale, 0, k0)
+            load_v = lambda: self.load_mixed(self.v_ref, cache.v_pool, cache.v_scale, 1, k0)  # noqa: E731
         return attend(k, load_v, k0, masked, carry)
 
     def _cached_body(self, attend, masked, block, carry):
@@ -121,8 +122,8 @@ class KeyBlocks:
         carry, located = carry
         cache = self.cache
         k0 = block * self.block_kv
-        k = self.load_cached(cache.k_pool, cache.k_scale, located, None)  # all cached
-        load_v = lambda: self.load_cached(cache.v_pool, cache.v_scale, located, None)  # noqa: E731
+        k = self.load_cached(cache.k_pool, cache.k_scale, 0, located, None)  # all cached
+        load_v = lambda: self.load_cached(cache.v_pool, cache.v_scale, 1, located, None)  # noqa: E731
         carry = attend(k, load_v, k0, masked, carry)
         return carry, self.locate(k0 + self.block_kv)
 

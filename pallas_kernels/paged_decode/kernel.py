@@ -40,6 +40,7 @@ from pallas_kernels.cache_read import PLAIN, CacheFormat, read_kv, ring_position
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
+    dot_width,
     next_power_of_2,
     softmax_finish,
     softmax_init,
@@ -106,10 +107,10 @@ def _paged_decode_kernel(
     o_ref, lse_ref, *pool_refs = refs
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_pages, page_size, max_pages = k_ref.shape[0], k_ref.shape[2], table_ref.shape[1]
+    page_size, max_pages = fmt.layout.page_size_of(k_ref), table_ref.shape[1]
     # Columns come in `fmt.parts` parts of D / parts channels (two for INT4: cache_read).
     part_dim = head_dim // fmt.parts
-    dims = jnp.arange(next_power_of_2(part_dim))
+    dims = jnp.arange(dot_width(part_dim))
     dim_ok = dims[None, :] < part_dim  # [1, Pd]
     g = jnp.arange(rows)
     row_ok = g < group
@@ -158,13 +159,13 @@ def _paged_decode_kernel(
             beam = b % width
             src = plgpu.load(ind_ref.at[b // width, beam, t], mask=t_ok & (t < ind_len), other=beam)
             row = b - beam + jnp.clip(src, 0, width - 1)  # [block_kv]
-        pages = plgpu.load(table_ref.at[row, col], mask=t_ok & (col < max_pages), other=0)
-        pages = jnp.clip(pages, 0, num_pages - 1)  # a corrupt table never reads off the pool
-        at = (pages[:, None], kvh, (stored_at % page_size)[:, None])
+        # Entries are clipped into the pool on use: a corrupt table never reads off it.
+        entries = plgpu.load(table_ref.at[row, col], mask=t_ok & (col < max_pages), other=0)
+        at = (entries[:, None], kvh, (stored_at % page_size)[:, None])
         read = functools.partial(
             read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret
         )
-        k = read(k_ref, k_scale_ref, dtype=dtype)  # parts of [block_kv, Pd]
+        k = read(k_ref, k_scale_ref, kv=0, dtype=dtype)  # parts of [block_kv, Pd]
         if has_rope:
             s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision, **rope_at)
         else:
@@ -174,8 +175,8 @@ def _paged_decode_kernel(
             )
         v_scale = None
         if fmt.row_scales:  # factored out of the tiles: scale logits and probabilities
-            s = s * row_scale(k_scale_ref, at, t_ok)[None, :]
-            v_scale = row_scale(v_scale_ref, at, t_ok)
+            s = s * row_scale(k_scale_ref, fmt, at, 0, t_ok)[None, :]
+            v_scale = row_scale(v_scale_ref, fmt, at, 1, t_ok)
         s = logits(s, t)
         visible = t_ok
         if params.window is not None:
@@ -184,7 +185,7 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        load_v = lambda: read(v_ref, v_scale_ref, dtype=dtype)  # noqa: E731
+        load_v = lambda: read(v_ref, v_scale_ref, kv=1, dtype=dtype)  # noqa: E731
         return softmax_update(carry, s, load_v, precision, v_scale)
 
     ctx_all = None
@@ -324,8 +325,10 @@ def paged_decode(
     Args:
       q: `[B, Hq, D]`. k_pages, v_pages: `[N, Hkv, P, Dp]`: any float dtype (read as q's),
         or quantized as `fmt` says, with `k_scales`, `v_scales` (float32 `[]` per tensor,
-        bfloat16 `[N, Hkv, P, G]` per group).
-      block_tables: int32 `[B, max_pages]`; context_lens: int32 `[B]` (query included).
+        `[N, Hkv, P, G]` per group). Other pool layouts as `fmt.layout` says (K and V may
+        then be one array, passed twice).
+      block_tables: int32 `[B, max_pages]` (page ids; token offsets of pages for a "token"
+        layout); context_lens: int32 `[B]` (query included).
       alibi_slopes: float32 `[Hq]` or None. params, config: static options and tiling.
       cache_indirection: int32 `[B // W, W, L]` or None: token t of row b is read through
         the block table of row `b - b % W + ind[b // W, b % W, t]` (t < L; beam search).
@@ -353,7 +356,7 @@ def paged_decode(
       pools with the new tokens stored (in place: donate them to the enclosing `jax.jit`).
     """
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[1]
+    num_kv_heads = fmt.layout.num_heads(k_pages)
     fused_qkv = new_kv is not None and new_kv[0] is None
     if fused_qkv:  # q is the step's fused projection: q heads, then k, then v
         num_q_heads -= 2 * num_kv_heads
