@@ -176,10 +176,12 @@ def ppl_oracle(
     cache_layout: int = 0,
     page_size: int = 128,
     implementation=None,
+    written=None,
 ):
     """One `MultiHeadCacheAttention` step. Returns (out float64 `[T, num_heads, head_dim]`,
     the updated cache and scale (numpy, dtypes and layout of the inputs; scale as passed
-    when quant_bit is 0))."""
+    when quant_bit is 0)). `written`: None, or (cache, scale) after some write of this
+    step, which the attention then reads instead of the oracle's own write."""
     del max_seqlen, max_kvlen, implementation, num_layer  # no effect on the result
     num_kv_heads = num_kv_heads or num_heads
     group = num_heads // num_kv_heads
@@ -197,7 +199,12 @@ def ppl_oracle(
 
     # Write first.
     key, value = np.asarray(current_key), np.asarray(current_value)
-    for token, row in written_rows(seqstarts, cachestarts, start_pos, cache_mode, page_size):
+    rows_written = written_rows(seqstarts, cachestarts, start_pos, cache_mode, page_size)
+    if written is not None:
+        cache_c = canonical(np.asarray(written[0]), cache_layout)
+        scale_c = None if written[1] is None else canonical(np.asarray(written[1]), cache_layout)
+        rows_written = []
+    for token, row in rows_written:
         for kv, x in enumerate((key, value)):
             if quant_bit:
                 stored, s = quantize_rows(x[token], quant_bit, quant_group, scale_c.dtype)
@@ -268,8 +275,8 @@ class Case:
     def args(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[:13])
 
-    def oracle(self):
-        return ppl_oracle(*self.args(), **self.kw)
+    def oracle(self, written=None):
+        return ppl_oracle(*self.args(), **self.kw, written=written)
 
     def written(self):
         """`(token, row)` of the current tokens."""

@@ -123,6 +123,10 @@ def check(case, result, what=""):
     got = util.f64(out)
     assert np.isfinite(got[:real]).all(), f"{what} out: {np.sum(~np.isfinite(got))} non-finite"
     tol = TOL[str(case.query.dtype)]
+    if util.ON_GPU and case.kw["quant_bit"]:
+        # A fused `x * (1 / s)` may round a tie to the other code (check_store allows it):
+        # one INT4 code is a seventh of its group's range. Attend to what the op stored.
+        want_out = case.oracle(written=(cache, scale))[0]
     np.testing.assert_allclose(got, want_out, atol=tol, rtol=tol, err_msg=f"{what} out")
     check_store(case, cache, want_cache, case.cache, f"{what} cache".strip())
     if case.kw["quant_bit"]:
