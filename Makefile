@@ -16,15 +16,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-# Interpret-mode kernels are large CPU programs on tiny shapes: compiling them dominates the
-# suite, and LLVM at -O0 compiles them about 20% faster (the results are the same).
-CPU_XLA_FLAGS = --xla_backend_optimization_level=0
-
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples notebooks
-	XLA_FLAGS="$(CPU_XLA_FLAGS)" $(PY) -m pytest -q -n 2 tests --ignore=tests/parallel
-	XLA_FLAGS="$(CPU_XLA_FLAGS) --xla_force_host_platform_device_count=8" \
-		$(PY) -m pytest -q -n 2 tests/parallel
+	$(PY) -m pytest -q -n 2 tests --ignore=tests/parallel
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 tests/parallel
 
 # The same suite with the kernels compiled for the GPU (bf16 tolerances, bigger shapes).
 # Triton compiles are CPU-bound: GPU_WORKERS workers share the GPU, none preallocating memory.

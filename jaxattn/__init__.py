@@ -2,10 +2,12 @@
 
 Context phase: `attention` (padded batch) and `ragged_attention` (packed, cu_seqlens).
 Generation phase: `paged_decode` over a `PagedKVCache` (`write_kv`, `gather_kv`).
+OpenPPL's `MultiHeadCacheAttention`: `jaxattn.ppl.multi_head_cache_attention`.
 Every op takes `implementation="pallas"` (the kernels; Pallas interpret mode off-GPU),
 `"xla"` (the pure-jnp reference) or None (pallas on a GPU, xla elsewhere).
 """
 
+from jaxattn import ppl
 from jaxattn.attention import attention, ragged_attention
 from jaxattn.cache import PagedKVCache, copy_pages, gather_kv, write_kv
 from jaxattn.decode import contiguous_kv_cache, paged_decode, validate_page_table
@@ -69,4 +71,5 @@ __all__ = [
     "reserve_from_lists",
     "validate_page_table",
     "write_kv",
+    "ppl",
 ]
