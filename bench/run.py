@@ -26,6 +26,7 @@ SETS: dict[str, Callable[[Settings], SetResult]] = {
     "serving_mixed": serving.mixed_set,
     "serving_chunk": serving.chunk_set,
     "ppl": ppl.ppl_set,
+    "ppl_mixed": ppl.ppl_mixed_set,
     "model": model.model_set,
     "train": train.train_set,
     "scale": scale.scale_set,
