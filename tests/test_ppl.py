@@ -203,10 +203,9 @@ def test_layouts_pallas(cache_layout, cache_mode, quant_bit):
     check(case, run(case, "pallas"))
 
 
-@pytest.mark.parametrize(
-    "cache_layout, cache_mode, quant_bit",
-    [(0, 0, 0), (1, 1, 0), (2, 0, 8), (3, 1, 8), (0, 1, 4), (3, 0, 4)],
-)
+@pytest.mark.parametrize("quant_bit", [0, 8, 4])
+@pytest.mark.parametrize("cache_mode", [0, 1])
+@pytest.mark.parametrize("cache_layout", [0, 1, 2, 3])
 def test_layouts_xla(cache_layout, cache_mode, quant_bit):
     case = case_for("xla", cache_layout=cache_layout, cache_mode=cache_mode,
                     quant_bit=quant_bit, **dtypes_for(quant_bit))  # fmt: skip
