@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +48,6 @@ class _Options:
     is_alibi: bool
     max_seqlen: int
     max_kvlen: int
-
-    @property
-    def group(self) -> int:
-        return self.num_heads // self.cache.num_kv_heads
 
 
 def multi_head_cache_attention(
@@ -144,14 +141,15 @@ def multi_head_cache_attention(
     table = spec.table(cachestarts)
     num_tokens = query.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
+    # Each packed token's batch (padding tokens: the last, masked by `real`).
     batch = jnp.clip(jnp.searchsorted(seqstarts[1:], token, side="right"), 0, len(start_pos) - 1)
     real = token < seqstarts[-1]
     positions = start_pos[batch] + token - seqstarts[batch]
     rows = jnp.where(real, spec.rows(cache, table, batch, positions), spec.max_tokens(cache))
     cache, scale, k_stored, v_stored = spec.write(cache, scale, current_key, current_value, rows)
     lens = (seqstarts[1:] - seqstarts[:-1], kvstarts[1:] - kvstarts[:-1])
-    args = (query, seqstarts, kvstarts, lens, table, decoding_batches, cache, scale, attn_mask,
-            options)  # fmt: skip
+    args = (query, seqstarts, kvstarts, lens, batch, table, decoding_batches, cache, scale,
+            attn_mask, options)  # fmt: skip
 
     def run(impl):
         if impl == "xla":
@@ -162,7 +160,8 @@ def multi_head_cache_attention(
     return jnp.where(real[:, None, None], out, 0).astype(query.dtype), cache, scale
 
 
-def _static(query, k, v, seqstarts, kvstarts, cachestarts, start_pos, cache, scale, attn_mask,
+def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+            cache, scale, attn_mask,
             num_heads, head_dim, num_kv_heads, num_layer, layer_idx, quant_bit, quant_group,
             cache_mode, cache_layout, page_size, is_causal, is_alibi, max_seqlen,
             max_kvlen):  # fmt: skip
@@ -195,7 +194,7 @@ def _static(query, k, v, seqstarts, kvstarts, cachestarts, start_pos, cache, sca
     if query.ndim != 3 or query.shape[1:] != (num_heads, head_dim):
         fail(f"query.shape={query.shape}: expected [T, num_heads={num_heads}, head_dim={head_dim}]")
     want = (query.shape[0], num_kv_heads, head_dim)
-    for name, x in (("current_key", k), ("current_value", v)):
+    for name, x in (("current_key", current_key), ("current_value", current_value)):
         if x.shape != want or x.dtype != query.dtype:
             fail(f"{name} {x.shape} {x.dtype}: expected {want} {query.dtype} (query's)")
     if str(query.dtype) not in _T1:
@@ -230,8 +229,8 @@ def _alibi(options: _Options):
 
 
 # ---------------------------------------------------------------- kernels
-def _pallas(query, seqstarts, kvstarts, lens, table, decoding_batches, cache, scale, attn_mask,
-            options: _Options, k_new, v_new, prefill_config, decode_config):  # fmt: skip
+def _pallas(query, seqstarts, kvstarts, lens, batch, table, decoding_batches, cache, scale,
+            attn_mask, options: _Options, k_new, v_new, prefill_config, decode_config):  # fmt: skip
     """One-token rows: the decode kernel over the cache; others: the flash kernel, the
     cached prefix read in place and the current keys as stored (`k_new`, `v_new`). With a
     mask, every row takes the flash kernel (the decode kernel has no bias); with
@@ -242,8 +241,8 @@ def _pallas(query, seqstarts, kvstarts, lens, table, decoding_batches, cache, sc
     fmt = spec.format(cache)
     decode_rows = (seqlen == 1) & (attn_mask is None)
     decode = functools.partial(
-        _decode_rows, query, seqstarts, table, cache, scale, options, fmt, decode_rows, kvlen,
-        decode_config, interpret,
+        _decode_rows, query, seqstarts, batch, table, cache, scale, options, fmt, decode_rows,
+        kvlen, decode_config, interpret,
     )  # fmt: skip
     if options.max_seqlen == 1 and attn_mask is None:  # a decode step: no flash launch
         return decode(None)
@@ -292,10 +291,10 @@ def _pallas(query, seqstarts, kvstarts, lens, table, decoding_batches, cache, sc
     return out if attn_mask is not None else decode(out)
 
 
-def _decode_rows(query, seqstarts, table, cache, scale, options: _Options, fmt, decode_rows, kvlen,
-                 decode_config, interpret, out):  # fmt: skip
+def _decode_rows(query, seqstarts, batch, table, cache, scale, options: _Options, fmt,
+                 decode_rows, kvlen, decode_config, interpret, out):  # fmt: skip
     """The decode kernel for the one-token rows `decode_rows`, merged into the other rows'
-    output `out` (None: every row has one token)."""
+    output `out` (None: every row has one token); `batch`: each token's batch."""
     spec = options.cache
     num_tokens, _, head_dim = query.shape
     decode_config = decode_config or PagedDecodeConfig.heuristic(
@@ -317,16 +316,14 @@ def _decode_rows(query, seqstarts, table, cache, scale, options: _Options, fmt, 
         fmt=fmt,
         interpret=interpret,
     )
-    token = jnp.arange(num_tokens)
-    row = jnp.clip(jnp.searchsorted(seqstarts[1:], token, side="right"), 0, len(kvlen) - 1)
     if out is None:
-        return out_d[row]
-    return jnp.where(decode_rows[row][:, None, None], out_d[row], out)
+        return out_d[batch]
+    return jnp.where(decode_rows[batch][:, None, None], out_d[batch], out)
 
 
 # ---------------------------------------------------------------- xla
-def _xla(query, seqstarts, kvstarts, lens, table, decoding_batches, cache, scale, attn_mask,
-         options: _Options):  # fmt: skip
+def _xla(query, seqstarts, kvstarts, lens, token_batch, table, decoding_batches, cache, scale,
+         attn_mask, options: _Options):  # fmt: skip
     """Each sequence's queries `[max_seqlen]` and keys `[max_kvlen]` gathered dense (keys
     read back from the cache, dequantized), the reference attention, scattered back. Its
     logits are float32 `[B, Hq, max_seqlen, max_kvlen]`: a test and CPU path, not one for
@@ -357,37 +354,33 @@ def _xla(query, seqstarts, kvstarts, lens, table, decoding_batches, cache, scale
         bias=bias, alibi_slopes=_alibi(options), scale=query.shape[-1] ** -0.5,
     )  # fmt: skip
     token = jnp.arange(query.shape[0])
-    row = jnp.clip(jnp.searchsorted(seqstarts[1:], token, side="right"), 0, num_batch - 1)
-    local = jnp.clip(token - seqstarts[row], 0, options.max_seqlen - 1)
-    return out[row, local]
+    local = jnp.clip(token - seqstarts[token_batch], 0, options.max_seqlen - 1)
+    return out[token_batch, local]
 
 
 # ---------------------------------------------------------------- opt-in validation
-def check_inputs(
-    query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-    decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, **options,
-) -> None:  # fmt: skip
+def check_inputs(*args, **kwargs) -> None:
     """The data-dependent preconditions of `multi_head_cache_attention` on concrete
-    inputs (the same arguments; call it outside `jit`): ValueError naming the argument
-    and the offending batch. Checks: seqstarts and kvstarts start at 0 (seqstarts) and
-    never decrease; seqlen <= kvlen, seqlen <= max_seqlen, kvlen <= max_kvlen;
-    seqstarts[B] <= T; 0 <= decoding_batches <= B; start_pos >= 0; the written positions
-    `start_pos + seqlen` and the read ones `kvlen` inside the page table (mode 1:
-    MaxP * page_size) and, with their rows, inside the cache; the mask wide enough."""
-    options.setdefault("num_kv_heads", 0)
-    opts = _static(
-        query, current_key, current_value, jnp.asarray(seqstarts), jnp.asarray(kvstarts),
-        jnp.asarray(cachestarts), jnp.asarray(start_pos), cache, scale, attn_mask,
-        options["num_heads"], options["head_dim"], options["num_kv_heads"],
-        options.get("num_layer", 1), options.get("layer_idx", 0), options.get("quant_bit", 0),
-        options.get("quant_group", 8), options.get("cache_mode", 0),
-        options.get("cache_layout", 0), options.get("page_size", 128), options["is_causal"],
-        options.get("is_alibi", False), max_seqlen, max_kvlen,
-    )  # fmt: skip
-    seqstarts, kvstarts, start_pos = (
-        np.asarray(x, np.int64) for x in (seqstarts, kvstarts, start_pos)
+    inputs (its arguments, as passed to it; call it outside `jit`): ValueError naming the
+    argument and the offending batch, after the op's own trace-time checks. Checks:
+    seqstarts and kvstarts start at 0 (seqstarts) and never decrease; seqlen <= kvlen,
+    seqlen <= max_seqlen, kvlen <= max_kvlen; seqstarts[B] <= T; 0 <= decoding_batches <=
+    B; start_pos >= 0; the written positions `start_pos + seqlen` and the read ones
+    `kvlen` inside the page table (mode 1: MaxP * page_size) and, with their rows, inside
+    the cache; the mask wide enough."""
+    bound = inspect.signature(multi_head_cache_attention).bind(*args, **kwargs)
+    bound.apply_defaults()  # the op's own defaults
+    given = dict(bound.arguments)
+    for name in ("seqstarts", "kvstarts", "cachestarts", "start_pos"):
+        given[name] = jnp.asarray(given[name])
+    opts = _static(**{name: given[name] for name in inspect.signature(_static).parameters})
+    query, cache, attn_mask = given["query"], given["cache"], given["attn_mask"]
+    decoding_batches = given["decoding_batches"]
+    max_seqlen, max_kvlen = given["max_seqlen"], given["max_kvlen"]
+    seqstarts, kvstarts, start_pos, cachestarts = (
+        np.asarray(given[name], np.int64)
+        for name in ("seqstarts", "kvstarts", "start_pos", "cachestarts")
     )
-    cachestarts = np.asarray(cachestarts, np.int64)
 
     def fail(msg):
         raise ValueError(f"multi_head_cache_attention inputs: {msg}")
