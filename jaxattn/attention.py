@@ -31,6 +31,12 @@ from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
+from pallas_kernels.mosaic import (
+    MosaicForwardConfig,
+    device_unsupported,
+    forward_unsupported,
+    mosaic_forward,
+)
 
 __all__ = ["attention", "ragged_attention"]
 
@@ -171,12 +177,48 @@ def _ring_backward(static: _Static, config):
     return on
 
 
+def forward_backend(static: _Static, config, q, k, lengths, extras, device=None):
+    """("mosaic", its config) or ("triton", None): the kernel that runs this forward.
+
+    `config.backend` "auto" (or no config) takes the Hopper kernel on compute capability
+    9.x when `forward_unsupported` says it covers the call; "mosaic" insists (raising
+    NotImplementedError with the reason otherwise); "triton" never takes it."""
+    requested = "auto" if config is None else config.backend
+    if requested == "triton":
+        return "triton", None
+    tiling = None if config is None else config.mosaic
+    tiling = tiling or MosaicForwardConfig.heuristic(q.shape[-1])
+    why = device_unsupported(device) or forward_unsupported(
+        q.shape,
+        k.shape,
+        q.dtype,
+        packed=static.packed,
+        lengths=any(x is not None for x in lengths),
+        sink_tokens=static.sink_tokens,
+        terms=any(x is not None for x in extras),
+        out_fp8=static.out_fp8,
+        config=tiling,
+    )
+    if why is None:
+        return "mosaic", tiling
+    if requested == "mosaic":
+        raise NotImplementedError(f"attention: backend='mosaic' does not cover this call: {why}")
+    return "triton", None
+
+
 def _pallas_local(
     static: _Static, config, q, k, v, len_q, len_k, alibi, bias, mask, rel_table, out_scale
 ):
     if static.out_fp8:
         validation.check_fp8_kernel_output()
     lengths = (len_q, len_k)
+    backend, tiling = forward_backend(static, config, q, k, lengths, (alibi, bias, mask, rel_table))
+    if backend == "mosaic":
+        out, lse = mosaic_forward(
+            q, k, v, causal=static.causal, window=static.window, soft_cap=static.soft_cap,
+            scale=static.scale, config=tiling,
+        )  # fmt: skip
+        return out, (lse if static.return_lse else None)
     params = _params(static)
     if config is None:
         max_q, max_kv = _max_lengths(static, q, k)

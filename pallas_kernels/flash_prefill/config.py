@@ -8,6 +8,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import next_power_of_2
 from pallas_kernels.flash_backward.config import FlashBackwardConfig
+from pallas_kernels.mosaic.config import MosaicForwardConfig
+
+BACKENDS = ("auto", "triton", "mosaic")
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -25,6 +28,12 @@ class FlashPrefillConfig:
       num_stages: software-pipelining depth of the KV loop.
       backward: the tiling of the gradient's kernels (`FlashBackwardConfig`); None picks
         `FlashBackwardConfig.heuristic` for the shape.
+      backend: which kernel runs the forward of a dense batch. "auto": the Hopper kernel
+        (`pallas_kernels.mosaic`, Mosaic GPU) on compute capability 9.x when it covers
+        the call, else the Triton kernel; "triton" or "mosaic" force one ("mosaic" raises
+        NotImplementedError, with the reason, for a call or device it does not cover).
+        The fields above tile the Triton kernel; `mosaic` tiles the Hopper one.
+      mosaic: the Hopper kernel's tiling (`MosaicForwardConfig`); None picks its heuristic.
     """
 
     block_q: int = 128
@@ -32,8 +41,12 @@ class FlashPrefillConfig:
     num_warps: int = 8
     num_stages: int = 3
     backward: FlashBackwardConfig | None = None
+    backend: str = "auto"
+    mosaic: MosaicForwardConfig | None = None
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"FlashPrefillConfig: backend={self.backend!r} not in {BACKENDS}")
         for name in ("block_q", "block_kv"):
             size = getattr(self, name)
             if not (_is_power_of_2(size) and size >= 16):

@@ -1,0 +1,364 @@
+"""Flash attention forward for Hopper (sm90) in Pallas Mosaic GPU: TMA, wgmma, warp
+specialization.
+
+A block computes `2 * block_q` query rows of one query head of one sequence. It runs three
+warpgroups (FlashAttention-3, Shah et al. 2024):
+
+- a producer (warpgroup 2) that only issues TMA copies of the head's K and V blocks into
+  a ring of `num_stages` shared-memory slots, each slot guarded by a "loaded" barrier
+  (TMA completes it) and a "consumed" barrier (both consumers arrive), and gives most of
+  its registers away (`set_max_registers`; section 3.1, warp specialization and register
+  reallocation);
+- two consumers (warpgroups 0 and 1), `block_q` rows each, that run the online softmax in
+  base 2 on the wgmma accumulators (S = Q K^T from shared memory, then O += P V with P
+  from registers). A two-party "schedule" barrier makes them take turns on the tensor
+  cores: one's softmax overlaps the other's GEMMs (section 3.2, ping-pong scheduling).
+  Each consumer waits for its next K block while its P V GEMM is in flight (section 3.3,
+  overlap within a warpgroup, in the form the wgmma wait allows here).
+
+Semantics are those of `jaxattn.reference` for a dense batch without lengths: query row r
+sits at position `r + Tk - Tq` (bottom-right aligned), causal hides keys past it, a
+window W keeps keys `j > p - W`, and the soft-cap bends the scaled logits. Key blocks a
+consumer's rows cannot see are skipped (the producer loads the union of both consumers'
+ranges; a consumer passes over the blocks outside its own, waiting and arriving so the
+barriers' phases stay in step). Masks are computed only on blocks that straddle a
+boundary. Rows that see no key output zeros and lse -inf.
+
+What runs here and what falls back to the Triton kernel is decided by
+`pallas_kernels.mosaic.support` (`forward_unsupported`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import LN2, LOG2E, MASK_VALUE
+from pallas_kernels.mosaic.config import MosaicForwardConfig
+
+_CONSUMERS = 2
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+
+
+def _plgpu():
+    """`jax.experimental.pallas.mosaic_gpu`, imported when a kernel is built."""
+    from jax.experimental.pallas import mosaic_gpu
+
+    return mosaic_gpu
+
+
+def _static(*xs) -> bool:
+    return all(isinstance(x, int) for x in xs)
+
+
+def _max(a, b):
+    """max that stays a Python int for Python ints: Mosaic GPU kernels take no array
+    constants, and jnp on two ints would make one."""
+    return max(a, b) if _static(a, b) else jnp.maximum(a, b)
+
+
+def _min(a, b):
+    return min(a, b) if _static(a, b) else jnp.minimum(a, b)
+
+
+def _clip(x, lo, hi):
+    return _min(_max(x, lo), hi)
+
+
+def _floor_div(a, b: int):
+    """floor(a / b) for a >= 0, and 0 for a < 0 (all the callers clip at 0 anyway)."""
+    return lax.div(jnp.maximum(a, 0), b)
+
+
+def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
+    """(lo, hi, full_lo, full_hi): the key blocks `[lo, hi)` holding a key visible to some
+    row at positions `first_pos..last_pos` (int32 scalars), and the blocks `[full_lo,
+    full_hi)` whose keys every such row sees (no mask needed). Plain integer arithmetic:
+    runs in kernels and in tests alike; bounds that do not depend on the rows stay
+    Python ints."""
+    lo = full_lo = 0
+    hi = full_hi = num_blocks
+    if causal:
+        hi = _clip(_floor_div(last_pos + block_kv, block_kv), 0, num_blocks)  # cdiv(last + 1)
+        full_hi = _clip(_floor_div(first_pos + 1, block_kv), 0, num_blocks)
+    if window is not None:
+        lo = _clip(_floor_div(first_pos - window + 1, block_kv), 0, num_blocks)
+        full_lo = _clip(_floor_div(last_pos - window + block_kv, block_kv), 0, num_blocks)
+    lo = _min(lo, hi)
+    full_lo = _clip(full_lo, lo, hi)
+    full_hi = _clip(full_hi, full_lo, hi)
+    return lo, hi, full_lo, full_hi
+
+
+def _kernel(
+    q_ref,  # [B, Tq, Hq, D] (GMEM)
+    k_ref,  # [B, Tk, Hkv, D]
+    v_ref,
+    out_ref,  # [B, Tq, Hq, D]
+    lse_ref,  # [B, Hq, Tq] float32, natural log
+    smem,
+    barriers,
+    *,
+    causal: bool,
+    window: int | None,
+    soft_cap: float | None,
+    scale: float,
+    group: int,
+    num_tiles: int,
+    config: MosaicForwardConfig,
+):
+    plgpu = _plgpu()
+    qo_smem2, k_smem, v_smem, lse_smem2 = smem
+    q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
+    block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
+    _, q_rows, _, head_dim = q_ref.shape
+    kv_rows = k_ref.shape[1]
+    dtype = q_ref.dtype
+    num_blocks = kv_rows // block_kv
+    offset = kv_rows - q_rows  # query row r sits at position r + offset
+
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    kvh = h // group
+    # Heaviest tiles (the last rows of a causal mask) first.
+    tile = lax.axis_index("q_tiles")
+    tile = num_tiles - 1 - tile if causal else tile
+    wg = lax.axis_index("wg")
+
+    def rows_of(consumer):  # first query row of a consumer warpgroup
+        return tile * config.rows + consumer * block_q
+
+    def blocks_of(consumer):
+        first = rows_of(consumer) + offset
+        return block_range(first, first + block_q - 1, causal=causal, window=window,
+                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
+
+    lo0, hi0, _, _ = blocks_of(0)
+    lo1, hi1, _, _ = blocks_of(1)
+    # The producer loads the union of both consumers' blocks (rows grow with the
+    # consumer index, so do the ranges; an empty range adds nothing).
+    if _static(lo0, hi0, lo1, hi1):
+        lo, hi = 0, num_blocks
+    else:
+        lo = jnp.where(hi0 > lo0, lo0, lo1)
+        hi = _max(hi0, hi1)
+        lo = _min(lo, hi)
+
+    def schedule_turn():  # FA3 section 3.2: consumers take turns on the tensor cores
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+        first_row = rows_of(wg)
+        my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, pl.ds(first_row, block_q), h], qo_smem, q_barriers.at[wg]
+        )
+        plgpu.barrier_wait(q_barriers.at[wg])
+
+        wgmma_layout = plgpu.Layout.WGMMA
+        row_layout = wgmma_layout.reduce(1)
+        m = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+
+        def slot_of(step):
+            return step % stages if isinstance(step, int) else lax.rem(step, stages)
+
+        def pass_over(step, _):
+            """A block this consumer does not need: keep the barriers' phases in step."""
+            slot = slot_of(step)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            schedule_turn()
+            schedule_turn()
+
+        def logits(qk, step, masked: bool):
+            if soft_cap is None:
+                s = qk * (scale * LOG2E)
+            else:
+                s = (soft_cap * LOG2E) * jnp.tanh(qk * (scale / soft_cap))
+            if not masked or (not causal and window is None):
+                return s
+            shape = (block_q, block_kv)
+            r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+            j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+            pos = r + (first_row + offset)
+            key = j + step * block_kv
+            visible = None
+            if causal:
+                visible = key <= pos
+            if window is not None:
+                in_window = key > pos - window
+                visible = in_window if visible is None else visible & in_window
+            return jnp.where(visible, s, MASK_VALUE)
+
+        def step_body(step, carry, *, masked: bool):
+            acc, m, l = carry
+            slot = slot_of(step)
+
+            def qk_gemm(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_turn()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            s = logits(qk, step, masked)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            plgpu.barrier_arrive(schedule)  # softmax done
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_wait(schedule)  # the tensor cores are ours
+
+            def pv_gemm(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                nxt = step + 1
+
+                @pl.when(nxt < my_hi)
+                def _():  # FA3 section 3.3: wait for the next K under this GEMM
+                    plgpu.barrier_wait(k_loaded.at[slot_of(nxt)])
+
+            acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_new, l
+
+        lax.fori_loop(lo, my_lo, pass_over, None)
+
+        @pl.when(my_lo < my_hi)
+        def _():
+            plgpu.barrier_wait(k_loaded.at[slot_of(my_lo)])
+
+        pl.when(wg == 1)(schedule_turn)
+        masked = functools.partial(step_body, masked=True)
+        unmasked = functools.partial(step_body, masked=False)
+        carry = (acc, m, l)
+        carry = lax.fori_loop(my_lo, full_lo, masked, carry)
+        carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+        acc, m, l = lax.fori_loop(full_hi, my_hi, masked, carry)
+        pl.when(wg == 0)(schedule_turn)
+        lax.fori_loop(my_hi, hi, pass_over, None)
+
+        seen = m > 0.5 * MASK_VALUE  # rows that saw a key
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(first_row, block_q), h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(first_row, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        def load(step, slot):
+            rows = (b, pl.ds(step * block_kv, block_kv), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+        for i in range(stages):  # fill the ring
+            step = lo + i
+            slot = step % stages if isinstance(step, int) else lax.rem(step, stages)
+            pl.when(step < hi)(functools.partial(load, step, slot))
+
+        @pl.loop(lo + stages, _max(hi, lo + stages))
+        def _(step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+            load(step, slot)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
+def mosaic_forward(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    scale: float = 1.0,
+    config: MosaicForwardConfig | None = None,
+):
+    """Flash attention of a dense batch on Hopper.
+
+    Args:
+      q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype,
+        `Hq % Hkv == 0`. D in (64, 128, 256); Tq a multiple of `config.rows`, Tk of
+        `config.block_kv` (`pallas_kernels.mosaic.support` checks all of this first).
+      causal, window, soft_cap, scale: as `jaxattn.attention` (queries bottom-right aligned).
+      config: tiling; None picks `MosaicForwardConfig.heuristic`.
+
+    Returns:
+      out `[B, Tq, Hq, D]` in q's dtype and the natural log-sum-exp float32 `[B, Hq, Tq]`
+      (-inf for rows that see no key, whose output is zeros).
+    """
+    plgpu = _plgpu()
+    batch, q_rows, num_q_heads, head_dim = q.shape
+    kv_rows, num_kv_heads = k.shape[1], k.shape[2]
+    config = config or MosaicForwardConfig.heuristic(head_dim)
+    if q_rows % config.rows or kv_rows % config.block_kv:
+        raise ValueError(
+            f"mosaic_forward: {q.shape=}, {k.shape=}: Tq must be a multiple of "
+            f"{config.rows} and Tk of {config.block_kv} ({config})"
+        )
+    dtype = q.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = config.num_stages
+    smem = (
+        plgpu.SMEM((_CONSUMERS, config.block_q, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),
+    )
+    barriers = (
+        plgpu.Barrier(num_barriers=_CONSUMERS),  # Q tiles loaded
+        plgpu.Barrier(num_barriers=stages),  # K slot loaded
+        plgpu.Barrier(num_barriers=stages),  # V slot loaded
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # K slot consumed
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # V slot consumed
+        plgpu.Barrier(num_arrivals=_CONSUMERS),  # the consumers' turns
+    )
+    kernel = functools.partial(
+        _kernel,
+        causal=causal,
+        window=window,
+        soft_cap=soft_cap,
+        scale=scale,
+        group=num_q_heads // num_kv_heads,
+        num_tiles=q_rows // config.rows,
+        config=config,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct(q.shape, dtype),
+            jax.ShapeDtypeStruct((batch, num_q_heads, q_rows), jnp.float32),
+        ),
+        scratch_types=(smem, barriers),
+        grid=(num_q_heads, q_rows // config.rows, batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v)
+
+
+__all__ = ["block_range", "mosaic_forward"]

@@ -1,0 +1,284 @@
+"""The Hopper (Mosaic GPU) forward: which calls it takes, and what it computes.
+
+Mosaic GPU kernels do not run in CPU interpret mode. On CPU this file tests the selection
+logic (`forward_backend` against a stand-in sm90 device), the key-block ranges the kernel
+skips by (against brute-force visibility), and that the kernel traces and lowers for CUDA
+for each option set. On a GPU of compute capability 9.x it runs the kernel against the
+float64 oracle over the option combinations, and the gradient of `jaxattn.attention`
+through it (its residuals feed the flash backward kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import util
+from oracle import attention_oracle
+
+import jaxattn
+from jaxattn.attention import _Static, forward_backend
+from pallas_kernels.mosaic import MosaicForwardConfig, forward_unsupported, mosaic_forward
+from pallas_kernels.mosaic.forward import block_range
+
+ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
+    "9."
+)
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="Mosaic GPU kernels need an sm90 GPU")
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """Stands in for a jax device in the selection logic."""
+
+    platform: str = "gpu"
+    compute_capability: str = "9.0"
+
+
+HOPPER, AMPERE, CPU = FakeDevice(), FakeDevice(compute_capability="8.0"), FakeDevice("cpu")
+
+
+def _static(**kw) -> _Static:
+    opts = dict(packed=False, causal=True, window=None, sink_tokens=0, soft_cap=None,
+                scale=0.1, return_lse=False, rel_max_distance=0,
+                rel_bidirectional=False)  # fmt: skip
+    return _Static(**{**opts, **kw})
+
+
+def _backend(static=None, config=None, q_shape=(2, 512, 8, 128), k_shape=(2, 512, 2, 128),
+             dtype=jnp.bfloat16, lengths=(None, None), extras=(None,) * 4,
+             device=HOPPER):  # fmt: skip
+    q = jax.ShapeDtypeStruct(q_shape, dtype)
+    k = jax.ShapeDtypeStruct(k_shape, dtype)
+    return forward_backend(static or _static(), config, q, k, lengths, extras, device)[0]
+
+
+# ------------------------------------------------------------------ selection (CPU)
+
+
+def test_auto_takes_mosaic_on_hopper_only():
+    assert _backend() == "mosaic"
+    assert _backend(config=jaxattn.FlashPrefillConfig()) == "mosaic"
+    assert _backend(device=AMPERE) == "triton"
+    assert _backend(device=CPU) == "triton"
+    assert _backend(config=jaxattn.FlashPrefillConfig(backend="triton")) == "triton"
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(static=_static(packed=True)), "packed"),
+        (dict(lengths=(jnp.ones(2), None)), "lengths"),
+        (dict(static=_static(sink_tokens=4, window=64)), "sink"),
+        (dict(extras=(jnp.ones(8), None, None, None)), "ALiBi"),
+        (dict(static=_static(out_fp8=True)), "FP8"),
+        (dict(dtype=jnp.float32), "float32"),
+        (dict(q_shape=(2, 512, 8, 96), k_shape=(2, 512, 2, 96)), "head_dim 96"),
+        (dict(q_shape=(2, 500, 8, 128)), "Tq=500"),
+        (dict(k_shape=(2, 520, 2, 128)), "Tk=520"),
+    ],
+)
+def test_uncovered_calls_fall_back_or_raise(change, reason):
+    assert _backend(**change) == "triton"
+    forced = jaxattn.FlashPrefillConfig(backend="mosaic")
+    with pytest.raises(NotImplementedError, match=reason):
+        _backend(config=forced, **change)
+
+
+def test_covered_options():
+    for static in (_static(causal=False), _static(window=100), _static(soft_cap=30.0)):
+        assert _backend(static) == "mosaic"
+    for d in (64, 256):
+        assert _backend(q_shape=(1, 256, 4, d), k_shape=(1, 1024, 4, d)) == "mosaic"
+    assert _backend(dtype=jnp.float16) == "mosaic"
+
+
+def test_forced_mosaic_names_the_device():
+    forced = jaxattn.FlashPrefillConfig(backend="mosaic")
+    with pytest.raises(NotImplementedError, match="compute capability 9"):
+        _backend(config=forced, device=AMPERE)
+
+
+def test_forced_mosaic_off_hopper_falls_through_an_implementation_list():
+    if ON_HOPPER:
+        pytest.skip("this device runs the kernel")
+    rng = util.rng_for("fallthrough")
+    q, k, v = (util.randn(rng, (1, 128, 2, 64)) for _ in range(3))
+    forced = jaxattn.FlashPrefillConfig(backend="mosaic")
+    with pytest.raises(NotImplementedError, match="Mosaic GPU"):
+        jaxattn.attention(q, k, v, implementation="pallas", config=forced)
+    out = jaxattn.attention(q, k, v, implementation=["pallas", "xla"], config=forced)
+    want, _ = attention_oracle(*(util.f64(x) for x in (q, k, v)))
+    np.testing.assert_allclose(util.f64(out), want, atol=1e-5, rtol=1e-5)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="backend"):
+        jaxattn.FlashPrefillConfig(backend="cuda")
+    for bad in (dict(block_q=32), dict(block_kv=96), dict(num_stages=1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            MosaicForwardConfig(**bad)
+    huge = MosaicForwardConfig(block_kv=256, num_stages=4)
+    assert "shared memory" in forward_unsupported(
+        (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False, lengths=False,
+        sink_tokens=0, terms=False, out_fp8=False, config=huge,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ skipped blocks (CPU)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (True, 300)])
+def test_block_range_matches_visibility(causal, window):
+    """Every block holding a visible key is in [lo, hi); blocks in [full_lo, full_hi) are
+    fully visible to every row; [lo, hi) is the tightest range."""
+    block, num_blocks = 16, 12
+    keys = np.arange(block * num_blocks)
+    for first in range(-40, block * num_blocks + 8, 5):
+        for rows in (1, 16, 64):
+            pos = np.arange(first, first + rows)[:, None]
+            visible = np.ones((rows, keys.size), bool)
+            if causal:
+                visible &= keys[None, :] <= pos
+            if window is not None:
+                visible &= keys[None, :] > pos - window
+            per_block = visible.reshape(rows, num_blocks, block)
+            any_seen = np.flatnonzero(per_block.any(axis=(0, 2)))
+            all_seen = per_block.all(axis=(0, 2))
+            lo, hi, full_lo, full_hi = (
+                int(x)
+                for x in block_range(
+                    jnp.int32(first),
+                    jnp.int32(first + rows - 1),
+                    causal=causal,
+                    window=window,
+                    num_blocks=num_blocks,
+                    block_kv=block,
+                )  # fmt: skip
+            )
+            where = f"rows {first}..{first + rows - 1}"
+            if any_seen.size:
+                assert (lo, hi) == (any_seen[0], any_seen[-1] + 1), where
+            else:
+                assert lo == hi, where
+            assert lo <= full_lo <= full_hi <= hi, where
+            assert all_seen[full_lo:full_hi].all(), where
+            # No fully visible block is left to the masked path outside [full_lo, full_hi)
+            # except at the range's ends (masking there is correct, only slower).
+            inner = np.flatnonzero(all_seen)
+            if inner.size:
+                assert full_lo <= inner[0] and full_hi >= inner[-1] + 1, where
+
+
+LOWERED = [  # (D, causal, window, soft_cap, Tq, Tk, Hq, Hkv, dtype)
+    (128, True, None, None, 256, 256, 4, 2, jnp.bfloat16),
+    (128, False, None, None, 128, 512, 4, 4, jnp.float16),
+    (64, True, 100, None, 256, 384, 4, 1, jnp.bfloat16),
+    (256, False, None, 30.0, 128, 256, 2, 1, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", LOWERED, ids=lambda c: f"D{c[0]}-causal{c[1]}-w{c[2]}-cap{c[3]}")
+def test_kernel_lowers_for_cuda(case):
+    """Traces and lowers (no GPU needed): catches API misuse before a device run."""
+    d, causal, window, cap, tq, tk, hq, hkv, dtype = case
+    q = jax.ShapeDtypeStruct((1, tq, hq, d), dtype)
+    k = jax.ShapeDtypeStruct((1, tk, hkv, d), dtype)
+    fn = functools.partial(mosaic_forward, causal=causal, window=window, soft_cap=cap, scale=0.1)
+    text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------ the kernel (sm90 GPU)
+
+KERNEL_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
+    (2, 256, 256, 4, 4, 128, False, None, None),
+    (2, 512, 512, 8, 2, 128, True, None, None),
+    (1, 256, 768, 4, 1, 128, True, None, None),  # bottom-right, MQA
+    (1, 512, 256, 4, 2, 128, True, None, None),  # Tq > Tk: rows with no key
+    (1, 512, 512, 4, 2, 64, True, None, None),
+    (1, 512, 512, 4, 2, 256, True, None, None),
+    (1, 256, 512, 4, 2, 256, False, None, 20.0),
+    (1, 512, 1024, 4, 2, 128, False, 200, None),
+    (1, 1024, 1024, 4, 2, 128, True, 300, 30.0),
+    (1, 1024, 1024, 4, 2, 64, True, 64, None),
+]
+LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_oracle(case, dtype):
+    b, tq, tk, hq, hkv, d, causal, window, cap = case
+    rng = util.rng_for("mosaic", case, dtype)
+    q = util.randn(rng, (b, tq, hq, d), dtype)
+    k, v = (util.randn(rng, (b, tk, hkv, d), dtype) for _ in range(2))
+    opts = dict(causal=causal, window=window, soft_cap=cap, scale=d**-0.5)
+    out, lse = jax.jit(functools.partial(mosaic_forward, **opts))(q, k, v)
+    args = [util.f64(x) for x in (q, k, v)]
+    want, want_lse = attention_oracle(*args, **opts)
+    lowp_ref, _ = attention_oracle(*args, **opts, lowp=LOWP[dtype])
+    util.assert_out_close(out, want, dtype, lowp_ref=lowp_ref)
+    util.assert_lse_close(lse, want_lse, dtype)
+    util.assert_zero_rows(out, np.isneginf(want_lse).transpose(0, 2, 1)[..., None], "keyless rows")
+
+
+@hopper_only
+@pytest.mark.parametrize("config", [MosaicForwardConfig(64, 64, 2), MosaicForwardConfig(64, 64, 4)])
+def test_kernel_tilings(config):
+    rng = util.rng_for("mosaic tilings", config)
+    q = util.randn(rng, (1, 512, 4, 128), "bfloat16")
+    k, v = (util.randn(rng, (1, 512, 2, 128), "bfloat16") for _ in range(2))
+    out, lse = mosaic_forward(q, k, v, causal=True, scale=0.1, config=config)
+    args = [util.f64(x) for x in (q, k, v)]
+    want, want_lse = attention_oracle(*args, causal=True, scale=0.1)
+    lowp_ref, _ = attention_oracle(*args, causal=True, scale=0.1, lowp=ml_dtypes.bfloat16)
+    util.assert_out_close(out, want, "bfloat16", lowp_ref=lowp_ref)
+    util.assert_lse_close(lse, want_lse, "bfloat16")
+
+
+@hopper_only
+def test_attention_selects_mosaic_and_differentiates():
+    """`jaxattn.attention` on this device: the forward runs the Hopper kernel (chosen
+    automatically), and gradients through its residuals match the reference's."""
+    static = _static(causal=True, window=None)
+    q_shape, k_shape = (2, 512, 8, 128), (2, 512, 2, 128)
+    q_s, k_s = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (q_shape, k_shape))
+    assert forward_backend(static, None, q_s, k_s, (None, None), (None,) * 4)[0] == "mosaic"
+    rng = util.rng_for("mosaic grad")
+    q = util.randn(rng, q_shape, "bfloat16")
+    k, v = (util.randn(rng, k_shape, "bfloat16") for _ in range(2))
+    w = util.randn(rng, q_shape, "float32")
+
+    def loss(op, q, k, v):
+        return jnp.sum(op(q, k, v, causal=True, soft_cap=25.0).astype(jnp.float32) * w)
+
+    auto = functools.partial(jaxattn.attention, implementation="pallas")
+    triton = functools.partial(auto, config=jaxattn.FlashPrefillConfig(backend="triton"))
+    grads = jax.jit(jax.grad(functools.partial(loss, auto), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.grad(functools.partial(loss, triton), argnums=(0, 1, 2)))(q, k, v)
+    exact = jax.jit(
+        jax.grad(functools.partial(loss, jaxattn.attention_reference), argnums=(0, 1, 2))
+    )(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, g, r, e in zip("qkv", grads, ref, exact, strict=True):
+        g, r, e = (np.asarray(x, np.float64) for x in (g, r, e))
+        assert np.isfinite(g).all(), name
+        err, triton_err = np.abs(g - e).max(), np.abs(r - e).max()
+        assert err <= 2 * triton_err + 1e-2 * np.abs(e).max(), (name, err, triton_err)
+
+
+def test_cases_cover_each_option():
+    """The GPU cases meet causal, full, window, soft-cap, each head dim and MQA/GQA/MHA."""
+    seen = set()
+    for _, _, _, hq, hkv, d, causal, window, cap in KERNEL_CASES:
+        seen |= {f"D{d}", "causal" if causal else "full", f"group{hq // hkv}"}
+        seen |= {"window"} if window else set()
+        seen |= {"cap"} if cap else set()
+    want = {"D64", "D128", "D256", "causal", "full", "window", "cap", "group1", "group4"}
+    assert want <= seen, want - seen
