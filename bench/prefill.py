@@ -35,10 +35,14 @@ from bench.common import (
     progress,
 )
 
-# block_q x block_kv x num_warps x num_stages. The first is the heuristic for bf16 D 128,
-# timed again so that the sweep shows its own noise.
+# Triton: block_q x block_kv x num_warps x num_stages; Hopper: "mosaic:" block_q (per
+# consumer warpgroup) x block_kv x num_stages. The first of each is the heuristic for bf16
+# D 128, timed again so that the sweep shows its own noise.
 DEFAULT_SWEEP = (
-    "128x64x8x3",
+    "mosaic:64x128x2",
+    "mosaic:64x64x2",
+    "mosaic:64x64x3",
+    "mosaic:64x64x4",
     "128x128x8x3",
     "128x64x8x2",
     "128x64x8x4",
@@ -188,15 +192,37 @@ def _packed_reference(q, k, v, lengths: Sequence[int], causal: bool) -> jax.Arra
 
 
 def parse_config(spec: str):
-    """A FlashPrefillConfig from "block_q x block_kv x num_warps x num_stages": "128x64x8x3"."""
-    from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+    """A FlashPrefillConfig forcing one backend: "block_q x block_kv x num_warps x
+    num_stages" for the Triton kernel ("128x64x8x3"), "mosaic:" block_q x block_kv x
+    num_stages for the Hopper kernel ("mosaic:64x128x2")."""
+    from jaxattn import FlashPrefillConfig, MosaicForwardConfig
 
+    if spec.startswith("mosaic:"):
+        block_q, block_kv, num_stages = (int(x) for x in spec.removeprefix("mosaic:").split("x"))
+        tiling = MosaicForwardConfig(block_q, block_kv, num_stages)
+        return FlashPrefillConfig(backend="mosaic", mosaic=tiling)
     block_q, block_kv, num_warps, num_stages = (int(x) for x in spec.split("x"))
-    return FlashPrefillConfig(block_q, block_kv, num_warps, num_stages)
+    return FlashPrefillConfig(block_q, block_kv, num_warps, num_stages, backend="triton")
 
 
 def config_label(config) -> str:
-    return f"{config.block_q}x{config.block_kv}x{config.num_warps}x{config.num_stages}"
+    """The spec of the kernel(s) a config may run; "auto" names both candidates."""
+    triton = f"{config.block_q}x{config.block_kv}x{config.num_warps}x{config.num_stages}"
+    tiling = config.mosaic
+    mosaic = "mosaic" if tiling is None else (
+        f"mosaic:{tiling.block_q}x{tiling.block_kv}x{tiling.num_stages}")  # fmt: skip
+    return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")
+
+
+def heuristic_config(seq_len: int, heads: Heads, causal: bool, **features):
+    """What `jaxattn.attention` picks for a dense row (`backend="auto"`), with the Hopper
+    tiling spelled out so that the row's label names it."""
+    from jaxattn import FlashPrefillConfig, MosaicForwardConfig
+
+    config = FlashPrefillConfig.heuristic(
+        seq_len, seq_len, heads.head_dim, heads.dtype, causal, **features
+    )
+    return dataclasses.replace(config, mosaic=MosaicForwardConfig.heuristic(heads.head_dim))
 
 
 SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)
@@ -266,22 +292,42 @@ def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable, Callable | N
             "skipped: memory" if logits_bytes > XLA_LOGITS_LIMIT else "",
         ),
         ("triton mha", mha, repeat_kv, ""),
+        ("jax mgpu fp16", *_jax_mosaic(shape, heads)),
     ]
 
 
-def prefill_set(settings: Settings) -> SetResult:
-    """The PERF.md prefill rows: ours against cuDNN, XLA and JAX's Pallas Triton `mha`."""
-    from pallas_kernels.flash_prefill.config import FlashPrefillConfig
+def _jax_mosaic(shape: Dense, heads: Heads) -> tuple[Callable | None, Callable, str]:
+    """JAX's Mosaic GPU flash forward (`attention_mgpu`): float16 only (inputs cast outside
+    the timed call; bf16 values are exact in float16), sm90 only."""
+    from pallas_kernels.mosaic import device_unsupported
 
+    why = device_unsupported()
+    if why:
+        return None, None, f"skipped: {why}"
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2, causal=shape.causal
+    )
+    fn = jax.jit(functools.partial(attention_mgpu.attention, config=config))
+
+    def to_fp16(q, k, v):
+        return tuple(x.astype(jnp.float16) for x in (q, k, v))
+
+    return fn, to_fp16, ""
+
+
+def prefill_set(settings: Settings) -> SetResult:
+    """The PERF.md prefill rows: ours (the kernel the heuristic picks, and the Triton
+    kernel forced) against cuDNN, XLA, JAX's Pallas Triton `mha` and its Mosaic GPU
+    kernel."""
     heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
     rows = []
     for index, shape in enumerate(SMOKE_PREFILL if settings.smoke else PREFILL):
         arg_sets = _qkv_sets((shape.batch, shape.seq_len), heads, seed=100 * index)
         ref = _dense_reference(*arg_sets[0], shape.causal)
         flops = attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
-        config = FlashPrefillConfig.heuristic(
-            shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype, shape.causal
-        )
+        config = heuristic_config(shape.seq_len, heads, shape.causal)
         rows += _bench_ours(
             settings,
             set_name="prefill",
@@ -291,6 +337,21 @@ def prefill_set(settings: Settings) -> SetResult:
             arg_sets=arg_sets,
             ref=ref,
             flops=flops,
+        )
+        triton = dataclasses.replace(config, backend="triton")
+        rows.append(
+            bench_impl(
+                settings,
+                set_name="prefill",
+                shape=shape.label,
+                impl="ours triton",
+                fn=_ours_dense(shape.causal)(triton),
+                arg_sets=arg_sets,
+                ref=ref,
+                tol=TOLERANCES[heads.dtype],
+                work=flops,
+                notes=f"config {config_label(triton)}",
+            )  # fmt: skip
         )
         for name, fn, make_args, skip in _peers(shape, heads):
             if skip:

@@ -7,7 +7,9 @@ causal and B1 S65536 causal (the memory row). Implementations:
 
 - ours: `jaxattn.attention(..., implementation="pallas")`, the flash forward and backward
   kernels with their heuristic configs (`--sweep` times backward tilings, specs
-  "dK/dV kernel/dQ kernel", each block_q x block_kv x num_warps x num_stages);
+  "dK/dV kernel/dQ kernel", each block_q x block_kv x num_warps x num_stages); the
+  forward is the Hopper (Mosaic GPU) kernel on sm90, the backward the Triton kernels;
+- ours triton fwd: the same with the Triton forward forced (`backend="triton"`);
 - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")` (GQA native);
 - triton mha: JAX's Pallas Triton `mha` (`jax.experimental.pallas.ops.gpu.attention`) with
   its default block sizes. It has no GQA: k and v are repeated to Hq heads inside the
@@ -68,7 +70,15 @@ from bench.common import (
     progress,
     timed_row,
 )
-from bench.prefill import FULL_HEADS, SMOKE_HEADS, Dense, Heads, attention_flops, config_label
+from bench.prefill import (
+    FULL_HEADS,
+    SMOKE_HEADS,
+    Dense,
+    Heads,
+    attention_flops,
+    config_label,
+    heuristic_config,
+)
 
 SET_NAME = "train"
 BACKWARD_FACTOR = 3.5  # (forward + backward) / forward matmul FLOPs: (2 + 5) / 2
@@ -276,14 +286,12 @@ def _temp_memory(entry: Entry) -> str:
 
 
 def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -> list[Row]:
-    from jaxattn import FlashBackwardConfig, FlashPrefillConfig
+    from jaxattn import FlashBackwardConfig
 
     arg_sets = _grad_sets(shape, heads, seed)
     ref = _reference_grads(*arg_sets[0], shape.causal)
     flops = BACKWARD_FACTOR * attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
-    forward = FlashPrefillConfig.heuristic(
-        shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype, shape.causal
-    )
+    forward = heuristic_config(shape.seq_len, heads, shape.causal)
     backward = FlashBackwardConfig.heuristic(
         shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype
     )
@@ -295,7 +303,18 @@ def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -
         arg_sets=arg_sets,
         notes=f"fwd {config_label(forward)}",
     )
-    peers, not_run = [], {}
+    triton = dataclasses.replace(forward, backend="triton")
+    peers, not_run = (
+        [
+            Entry(
+                "ours triton fwd",
+                _ours(triton, shape.causal)(backward),
+                arg_sets,
+                notes=f"fwd {config_label(triton)}",
+            )  # fmt: skip
+        ],
+        {},
+    )
     for name, fn, notes in _peers(shape, heads):
         if fn is None:
             not_run[name] = Row(SET_NAME, shape.label, name, "skipped", notes=notes)

@@ -13,8 +13,11 @@ warpgroups (FlashAttention-3, Shah et al. 2024):
   base 2 on the wgmma accumulators (S = Q K^T from shared memory, then O += P V with P
   from registers). A two-party "schedule" barrier makes them take turns on the tensor
   cores: one's softmax overlaps the other's GEMMs (section 3.2, ping-pong scheduling).
-  Each consumer waits for its next K block while its P V GEMM is in flight (section 3.3,
-  overlap within a warpgroup, in the form the wgmma wait allows here).
+  Each consumer waits for its next K block while its P V GEMM is in flight: a small part
+  of section 3.3. Its full intra-warpgroup overlap (block j's S GEMM issued with block
+  j-1's P V GEMM, the softmax under the latter) was tried: level on full attention and
+  1.5-1.7x slower on causal rows (H100, 2026-11-25; more registers live across the
+  masked blocks), so it is not used.
 
 Semantics are those of `jaxattn.reference` for a dense batch without lengths: query row r
 sits at position `r + Tk - Tq` (bottom-right aligned), causal hides keys past it, a
@@ -203,7 +206,21 @@ def _kernel(
                 visible = in_window if visible is None else visible & in_window
             return jnp.where(visible, s, MASK_VALUE)
 
+        def softmax(qk, step, masked: bool, m, l):
+            """Online softmax in base 2 of one S tile: (m, alpha, p, l) after it."""
+            if soft_cap is None and scale > 0 and not (masked and (causal or window)):
+                c = scale * LOG2E  # max(c * qk) = c * max(qk): one FMA per logit below
+                m_new = jnp.maximum(m, qk.max(axis=1) * c)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+            else:
+                s = logits(qk, step, masked)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            alpha = jnp.exp2(m - m_new)
+            return m_new, alpha, p, l * alpha + p.sum(axis=1)
+
         def step_body(step, carry, *, masked: bool):
+            """One key block: S = Q K^T, softmax, O += P V, the GEMMs in turn."""
             acc, m, l = carry
             slot = slot_of(step)
 
@@ -214,12 +231,8 @@ def _kernel(
 
             qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            s = logits(qk, step, masked)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            m_new, alpha, p, l = softmax(qk, step, masked, m, l)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
             plgpu.barrier_arrive(schedule)  # softmax done
@@ -231,7 +244,7 @@ def _kernel(
                 nxt = step + 1
 
                 @pl.when(nxt < my_hi)
-                def _():  # FA3 section 3.3: wait for the next K under this GEMM
+                def _():  # FA3 section 3.3 in small: wait for the next K under this GEMM
                     plgpu.barrier_wait(k_loaded.at[slot_of(nxt)])
 
             acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
@@ -239,12 +252,12 @@ def _kernel(
             return acc, m_new, l
 
         lax.fori_loop(lo, my_lo, pass_over, None)
+        pl.when(wg == 1)(schedule_turn)
 
         @pl.when(my_lo < my_hi)
         def _():
             plgpu.barrier_wait(k_loaded.at[slot_of(my_lo)])
 
-        pl.when(wg == 1)(schedule_turn)
         masked = functools.partial(step_body, masked=True)
         unmasked = functools.partial(step_body, masked=False)
         carry = (acc, m, l)
@@ -267,22 +280,24 @@ def _kernel(
     def _producer():
         plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-        def load(step, slot):
+        def load(step, slot, wait: bool):
+            """K then V of block `step` into `slot`, each copy once its own slot is free
+            (`wait`): the next K can land while the consumers still read this V."""
             rows = (b, pl.ds(step * block_kv, block_kv), kvh)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+            for src, dst, loaded, consumed in ((k_ref, k_smem, k_loaded, k_consumed),
+                                               (v_ref, v_smem, v_loaded, v_consumed)):  # fmt: skip
+                if wait:
+                    plgpu.barrier_wait(consumed.at[slot])
+                plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
         for i in range(stages):  # fill the ring
             step = lo + i
             slot = step % stages if isinstance(step, int) else lax.rem(step, stages)
-            pl.when(step < hi)(functools.partial(load, step, slot))
+            pl.when(step < hi)(functools.partial(load, step, slot, False))
 
         @pl.loop(lo + stages, _max(hi, lo + stages))
         def _(step):
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-            load(step, slot)
+            load(step, lax.rem(step, stages), True)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
