@@ -297,8 +297,9 @@ def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable, Callable | N
 
 
 def _jax_mosaic(shape: Dense, heads: Heads) -> tuple[Callable | None, Callable, str]:
-    """JAX's Mosaic GPU flash forward (`attention_mgpu`): float16 only (inputs cast outside
-    the timed call; bf16 values are exact in float16), sm90 only."""
+    """JAX's Mosaic GPU flash forward (`attention_mgpu`): float16 only, sm90 only, and no
+    logit scale: q comes scaled by 1/sqrt(D) and cast, outside the timed call (bf16 values
+    are exact in float16)."""
     from pallas_kernels.mosaic import device_unsupported
 
     why = device_unsupported()
@@ -312,6 +313,7 @@ def _jax_mosaic(shape: Dense, heads: Heads) -> tuple[Callable | None, Callable, 
     fn = jax.jit(functools.partial(attention_mgpu.attention, config=config))
 
     def to_fp16(q, k, v):
+        q = q.astype(jnp.float32) * heads.head_dim**-0.5
         return tuple(x.astype(jnp.float16) for x in (q, k, v))
 
     return fn, to_fp16, ""
