@@ -1,8 +1,12 @@
 """Context-phase attention: `attention` (dense, padded) and `ragged_attention` (packed).
 
-Both validate at trace time, then dispatch to the Pallas flash kernel (`"pallas"`) or the
-pure-jnp reference (`"xla"`). Gradients come from a custom VJP. With `"pallas"` its forward
-saves q, k, v, the output and the float32 log-sum-exp (nothing of size Tq x Tk) and its
+Both validate at trace time, then dispatch to the Pallas flash kernels (`"pallas"`) or the
+pure-jnp reference (`"xla"`). Of the flash forwards, `forward_backend` picks the Hopper
+kernel (`pallas_kernels.mosaic`, Mosaic GPU) on compute capability 9.x where it covers
+the call, the Triton kernel otherwise (`FlashPrefillConfig.backend` forces one).
+
+Gradients come from a custom VJP. With `"pallas"` its forward saves q, k, v, the output
+and the float32 log-sum-exp (nothing of size Tq x Tk), whichever kernel ran, and its
 backward runs the flash backward kernels (`pallas_kernels.flash_backward`: dK/dV and dQ,
 deterministic, GQA summed in-kernel), for every option the forward takes; the gradients of
 a bias, the ALiBi slopes and a T5 table are computed only when they are differentiated
@@ -553,7 +557,11 @@ def attention(
         (-inf for rows with no visible key).
       implementation: "pallas", "xla", a list tried in order (a name that raises
         NotImplementedError falls through to the next), or None (pallas on GPU, else xla).
-      config: a `FlashPrefillConfig` for the pallas kernel; None picks a heuristic.
+      config: a `FlashPrefillConfig` for the pallas kernels; None picks a heuristic. Its
+        `backend` says which forward runs: "auto" (the Hopper kernel on sm90 when it
+        covers the call: bf16/fp16, head_dim 64/128/256, no lengths, sinks or
+        bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
+        "triton", or "mosaic" (NotImplementedError, with the reason, where it cannot).
       out_dtype: None (q's dtype), or `jnp.float8_e4m3fn`: FP8 output, quantized in the
         kernel's epilogue from the float32 result as `clip(out * (1 / out_scale), -448,
         448)` rounded to nearest even (TensorRT-LLM's convention; dequantize with
