@@ -214,26 +214,35 @@ def config_label(config) -> str:
     return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")
 
 
-def heuristic_config(seq_len: int, heads: Heads, causal: bool, **features):
-    """What `jaxattn.attention` picks for a dense row (`backend="auto"`), with the Hopper
-    tiling spelled out so that the row's label names it."""
-    from jaxattn import FlashPrefillConfig, MosaicForwardConfig
+def heuristic_config(seq_len: int, heads: Heads, causal: bool):
+    """The heuristic config of a dense row of one sequence length, with the backend that
+    `backend="auto"` picks on this device spelled out (the same kernel runs; the row's
+    label names it)."""
+    from jaxattn import FlashPrefillConfig
+    from pallas_kernels.mosaic import select_forward
 
-    config = FlashPrefillConfig.heuristic(
-        seq_len, seq_len, heads.head_dim, heads.dtype, causal, **features
-    )
-    return dataclasses.replace(config, mosaic=MosaicForwardConfig.heuristic(heads.head_dim))
+    config = FlashPrefillConfig.heuristic(seq_len, seq_len, heads.head_dim, heads.dtype, causal)
+    q_shape = (1, seq_len, heads.num_q_heads, heads.head_dim)
+    k_shape = (1, seq_len, heads.num_kv_heads, heads.head_dim)
+    tiling = select_forward(config, q_shape, k_shape, heads.dtype)
+    if tiling is None:
+        return dataclasses.replace(config, backend="triton")
+    return dataclasses.replace(config, backend="mosaic", mosaic=tiling)
 
 
 SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)
+# The rows only the Triton kernel covers (packed, lengths) sweep its tilings alone.
+TRITON_SWEEP = dataclasses.replace(
+    SWEEP, default=tuple(s for s in DEFAULT_SWEEP if not s.startswith("mosaic:"))
+)
 
 
 def _bench_ours(settings: Settings, *, set_name: str, shape: str, ref, flops: float,
-                arg_sets: Sequence[tuple], **ours) -> list[Row]:  # fmt: skip
+                arg_sets: Sequence[tuple], sweep: Sweep = SWEEP, **ours) -> list[Row]:  # fmt: skip
     """`bench_ours` on a prefill row: TFLOP/s, the tolerance of the inputs' dtype."""
     tol = TOLERANCES[arg_sets[0][0].dtype]
     row_args = dict(set_name=set_name, shape=shape, ref=ref, tol=tol, work=flops)
-    return bench_ours(settings, row_args, sweep=SWEEP, arg_sets=arg_sets, **ours)
+    return bench_ours(settings, row_args, sweep=sweep, arg_sets=arg_sets, **ours)
 
 
 def _ours_dense(causal: bool) -> Callable:
@@ -298,8 +307,8 @@ def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable, Callable | N
 
 def _jax_mosaic(shape: Dense, heads: Heads) -> tuple[Callable | None, Callable, str]:
     """JAX's Mosaic GPU flash forward (`attention_mgpu`): float16 only, sm90 only, and no
-    logit scale: q comes scaled by 1/sqrt(D) and cast, outside the timed call (bf16 values
-    are exact in float16)."""
+    logit scale: q comes scaled by 1/sqrt(D), all three cast to float16, outside the timed
+    call (standard-normal bf16 values lie in float16's normal range and are exact there)."""
     from pallas_kernels.mosaic import device_unsupported
 
     why = device_unsupported()
@@ -376,10 +385,19 @@ def prefill_set(settings: Settings) -> SetResult:
 
 
 def packed_set(settings: Settings) -> SetResult:
-    """Packed mixed-length sequences (`ragged_attention`) against our dense kernel."""
+    """Packed mixed-length sequences (`ragged_attention`) against our dense kernel: the
+    Triton kernel in every row (the dense row's forced, as the packed and padded rows
+    only run on it), so the ratios measure packing, not a change of kernel."""
     from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
     heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
+
+    def triton(seq_len: int, **features):
+        config = FlashPrefillConfig.heuristic(
+            seq_len, seq_len, heads.head_dim, heads.dtype, True, **features
+        )
+        return dataclasses.replace(config, backend="triton")
+
     packed = SMOKE_PACKED if settings.smoke else PACKED
     dense = packed.dense_equivalent
     lengths = packed.lengths()
@@ -393,13 +411,12 @@ def packed_set(settings: Settings) -> SetResult:
         set_name="prefill_packed",
         shape=packed.label,
         make_fn=_ours_packed(causal=True),
-        config=FlashPrefillConfig.heuristic(
-            max_len, max_len, heads.head_dim, heads.dtype, True, lengths=True, packed=True
-        ),
+        config=triton(max_len, lengths=True, packed=True),
         arg_sets=[(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets],
         ref=packed_ref,
         flops=attention_flops(lengths, heads, causal=True),
         notes="lengths " + ",".join(str(n) for n in lengths),
+        sweep=TRITON_SWEEP,
     )
 
     dense_sets = _qkv_sets((dense.batch, dense.seq_len), heads, seed=2000)
@@ -408,12 +425,11 @@ def packed_set(settings: Settings) -> SetResult:
         set_name="prefill_packed",
         shape=dense.label,
         make_fn=_ours_dense(causal=True),
-        config=FlashPrefillConfig.heuristic(
-            dense.seq_len, dense.seq_len, heads.head_dim, heads.dtype, True
-        ),
+        config=triton(dense.seq_len),
         arg_sets=dense_sets,
         ref=_dense_reference(*dense_sets[0], causal=True),
         flops=attention_flops([dense.seq_len] * dense.batch, heads, causal=True),
+        sweep=TRITON_SWEEP,
     )
 
     # The alternative packing replaces: the same sequences padded to the longest, with
@@ -442,13 +458,12 @@ def packed_set(settings: Settings) -> SetResult:
                 q, k, v, q_lengths=lengths_arg, kv_lengths=lengths_arg
             )
         ),
-        config=FlashPrefillConfig.heuristic(
-            max_len, max_len, heads.head_dim, heads.dtype, True, lengths=True
-        ),
+        config=triton(max_len, lengths=True),
         arg_sets=padded_sets,
         ref=padded_ref,
         flops=attention_flops(lengths, heads, causal=True),
         notes="same sequences as the packed row; FLOPs counted on real tokens",
+        sweep=TRITON_SWEEP,
     )
 
     # Mixed lengths do more work than equal ones (sum of S^2), so both ratios are shown.

@@ -35,12 +35,7 @@ from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
-from pallas_kernels.mosaic import (
-    MosaicForwardConfig,
-    device_unsupported,
-    forward_unsupported,
-    mosaic_forward,
-)
+from pallas_kernels.mosaic import mosaic_forward, select_forward
 
 __all__ = ["attention", "ragged_attention"]
 
@@ -182,32 +177,22 @@ def _ring_backward(static: _Static, config):
 
 
 def forward_backend(static: _Static, config, q, k, lengths, extras, device=None):
-    """("mosaic", its config) or ("triton", None): the kernel that runs this forward.
-
-    `config.backend` "auto" (or no config) takes the Hopper kernel on compute capability
-    9.x when `forward_unsupported` says it covers the call; "mosaic" insists (raising
-    NotImplementedError with the reason otherwise); "triton" never takes it."""
-    requested = "auto" if config is None else config.backend
-    if requested == "triton":
-        return "triton", None
-    tiling = None if config is None else config.mosaic
-    tiling = tiling or MosaicForwardConfig.heuristic(q.shape[-1])
-    why = device_unsupported(device) or forward_unsupported(
+    """("mosaic", its tiling) or ("triton", None): the kernel that runs this forward
+    (`pallas_kernels.mosaic.select_forward`: the Hopper kernel on sm90 where it covers
+    the call, unless `config.backend` forces one)."""
+    tiling = select_forward(
+        config,
         q.shape,
         k.shape,
         q.dtype,
+        device=device,
         packed=static.packed,
         lengths=any(x is not None for x in lengths),
         sink_tokens=static.sink_tokens,
         terms=any(x is not None for x in extras),
         out_fp8=static.out_fp8,
-        config=tiling,
     )
-    if why is None:
-        return "mosaic", tiling
-    if requested == "mosaic":
-        raise NotImplementedError(f"attention: backend='mosaic' does not cover this call: {why}")
-    return "triton", None
+    return ("triton", None) if tiling is None else ("mosaic", tiling)
 
 
 def _pallas_local(

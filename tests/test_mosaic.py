@@ -23,7 +23,12 @@ from oracle import attention_oracle
 
 import jaxattn
 from jaxattn.attention import _Static, forward_backend
-from pallas_kernels.mosaic import MosaicForwardConfig, forward_unsupported, mosaic_forward
+from pallas_kernels.mosaic import (
+    MosaicForwardConfig,
+    forward_unsupported,
+    mosaic_forward,
+    select_forward,
+)
 from pallas_kernels.mosaic.forward import block_range
 
 ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
@@ -98,6 +103,16 @@ def test_covered_options():
     assert _backend(dtype=jnp.float16) == "mosaic"
 
 
+def test_ring_blocks_select_like_attention():
+    """Ring attention's per-block calls (no lengths or terms) go through the same choice."""
+    shape = (1, 1024, 8, 128)
+    assert select_forward(None, shape, shape, jnp.bfloat16, device=HOPPER) == (
+        MosaicForwardConfig.heuristic(128)
+    )
+    assert select_forward(None, shape, shape, jnp.float32, device=HOPPER) is None
+    assert select_forward(None, shape, shape, jnp.bfloat16, device=AMPERE) is None
+
+
 def test_forced_mosaic_names_the_device():
     forced = jaxattn.FlashPrefillConfig(backend="mosaic")
     with pytest.raises(NotImplementedError, match="compute capability 9"):
@@ -110,7 +125,7 @@ def test_forced_mosaic_off_hopper_falls_through_an_implementation_list():
     rng = util.rng_for("fallthrough")
     q, k, v = (util.randn(rng, (1, 128, 2, 64)) for _ in range(3))
     forced = jaxattn.FlashPrefillConfig(backend="mosaic")
-    with pytest.raises(NotImplementedError, match="Mosaic GPU"):
+    with pytest.raises(NotImplementedError, match="Mosaic GPU kernels run compiled only"):
         jaxattn.attention(q, k, v, implementation="pallas", config=forced)
     out = jaxattn.attention(q, k, v, implementation=["pallas", "xla"], config=forced)
     want, _ = attention_oracle(*(util.f64(x) for x in (q, k, v)))
@@ -120,10 +135,10 @@ def test_forced_mosaic_off_hopper_falls_through_an_implementation_list():
 def test_config_validation():
     with pytest.raises(ValueError, match="backend"):
         jaxattn.FlashPrefillConfig(backend="cuda")
-    for bad in (dict(block_q=32), dict(block_kv=96), dict(num_stages=1)):
+    for bad in (dict(block_q=128), dict(block_kv=96), dict(num_stages=1), dict(num_stages=5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             MosaicForwardConfig(**bad)
-    huge = MosaicForwardConfig(block_kv=256, num_stages=4)
+    huge = MosaicForwardConfig(block_kv=128, num_stages=4)
     assert "shared memory" in forward_unsupported(
         (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False, lengths=False,
         sink_tokens=0, terms=False, out_fp8=False, config=huge,
@@ -207,6 +222,9 @@ KERNEL_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
     (1, 512, 1024, 4, 2, 128, False, 200, None),
     (1, 1024, 1024, 4, 2, 128, True, 300, 30.0),
     (1, 1024, 1024, 4, 2, 64, True, 64, None),
+    (1, 512, 192, 4, 2, 256, True, None, None),  # warpgroup 0 sees no key, 1 does
+    (1, 512, 256, 4, 2, 128, False, 64, None),  # window, Tq > Tk, not causal
+    (1, 256, 256, 4, 2, 128, True, 1, None),  # window 1: each row its own key
 ]
 LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -230,7 +248,7 @@ def test_kernel_matches_oracle(case, dtype):
 
 
 @hopper_only
-@pytest.mark.parametrize("config", [MosaicForwardConfig(64, 64, 2), MosaicForwardConfig(64, 64, 4)])
+@pytest.mark.parametrize("config", [MosaicForwardConfig(64, 64, n) for n in (2, 3, 4)])
 def test_kernel_tilings(config):
     rng = util.rng_for("mosaic tilings", config)
     q = util.randn(rng, (1, 512, 4, 128), "bfloat16")

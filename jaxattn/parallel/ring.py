@@ -56,6 +56,7 @@ from jaxattn.dispatch import run_first
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import Batch, FlashPrefillConfig, LogitParams, flash_prefill
+from pallas_kernels.mosaic import mosaic_forward, select_forward
 
 __all__ = [
     "LAYOUTS",
@@ -155,8 +156,9 @@ def ring_attention(
       implementation: "pallas" (flash kernels, Pallas interpret mode off-GPU), "xla"
         (`jaxattn.reference` per block, an einsum backward), a list tried in order, or None
         (pallas on a GPU, xla elsewhere).
-      config: `FlashPrefillConfig` of the per-block kernels (its `backward` for the
-        gradient); None picks a heuristic for the block shape.
+      config: `FlashPrefillConfig` of the per-block kernels (its `backend`: the Hopper
+        forward on sm90 where it covers the block shapes, as `jaxattn.attention` picks
+        it; its `backward` for the gradient); None picks a heuristic for the block shape.
 
     Returns:
       out `[B, Tq, Hq, D]` in q's dtype: this device's rows of the global attention, in the
@@ -217,6 +219,10 @@ def _attend(ring: _Ring, q, k, v, causal: bool):
         out, lse = reference.attention_reference(
             q, k, v, causal=causal, scale=ring.scale, return_lse=True
         )
+        return out.astype(jnp.float32), lse
+    tiling = select_forward(ring.config, q.shape, k.shape, q.dtype)
+    if tiling is not None:  # the Hopper kernel (sm90), as `jaxattn.attention` picks it
+        out, lse = mosaic_forward(q, k, v, causal=causal, scale=ring.scale, config=tiling)
         return out.astype(jnp.float32), lse
     config = ring.config or FlashPrefillConfig.heuristic(
         q.shape[1], k.shape[1], q.shape[-1], q.dtype, causal

@@ -6,6 +6,12 @@ calls they cover, and the dispatcher falls back to the Triton kernels for the re
 
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 from pallas_kernels.mosaic.forward import mosaic_forward
-from pallas_kernels.mosaic.support import device_unsupported, forward_unsupported
+from pallas_kernels.mosaic.support import device_unsupported, forward_unsupported, select_forward
 
-__all__ = ["MosaicForwardConfig", "device_unsupported", "forward_unsupported", "mosaic_forward"]
+__all__ = [
+    "MosaicForwardConfig",
+    "device_unsupported",
+    "forward_unsupported",
+    "mosaic_forward",
+    "select_forward",
+]

@@ -13,10 +13,11 @@ class MosaicForwardConfig:
     """Tiling of `mosaic_forward`: hashable, passed as a static argument.
 
     Attributes:
-      block_q: query rows per consumer warpgroup (a multiple of 64, wgmma's M); a block
-        holds two consumer warpgroups, so it covers `2 * block_q` rows.
-      block_kv: keys per step of the TMA ring (a multiple of 64).
-      num_stages: slots of the ring: K/V blocks in flight ahead of the consumers (>= 2).
+      block_q: query rows per consumer warpgroup: 64 (wgmma's M; a block holds two
+        consumer warpgroups, so it covers 128 rows; 128 rows per warpgroup would hold two
+        128-column float32 tiles, more than a consumer's registers).
+      block_kv: keys per step of the TMA ring: 64 or 128 (the sizes tested on the GPU).
+      num_stages: slots of the ring, 2 to 4: K/V blocks in flight ahead of the consumers.
     """
 
     block_q: int = 64
@@ -24,16 +25,12 @@ class MosaicForwardConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        if self.block_q < 64 or self.block_q % 64:
-            raise ValueError(
-                f"MosaicForwardConfig: block_q={self.block_q} must be a multiple of 64"
-            )
-        if self.block_kv < 64 or self.block_kv % 64:
-            raise ValueError(
-                f"MosaicForwardConfig: block_kv={self.block_kv} must be a multiple of 64"
-            )
-        if self.num_stages < 2:
-            raise ValueError(f"MosaicForwardConfig: num_stages={self.num_stages} must be >= 2")
+        if self.block_q != 64:
+            raise ValueError(f"MosaicForwardConfig: block_q={self.block_q} must be 64")
+        if self.block_kv not in (64, 128):
+            raise ValueError(f"MosaicForwardConfig: block_kv={self.block_kv} not in (64, 128)")
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"MosaicForwardConfig: num_stages={self.num_stages} not in 2..4")
 
     @property
     def rows(self) -> int:

@@ -44,6 +44,10 @@ from pallas_kernels.common import LN2, LOG2E, MASK_VALUE
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 
 _CONSUMERS = 2
+# The running maximum starts here, above the masked logits (MASK_VALUE): a masked key's
+# weight exp2(MASK_VALUE - m) is 0 even before the row has seen a key, so a row that
+# never sees one keeps O = 0 and l = 0 exactly (and its max is still NO_KEY at the end).
+_NO_KEY = 0.5 * MASK_VALUE
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
 
@@ -169,7 +173,7 @@ def _kernel(
 
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = wgmma_layout.reduce(1)
-        m = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
+        m = plgpu.layout_cast(jnp.full((block_q,), _NO_KEY, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
 
@@ -267,7 +271,7 @@ def _kernel(
         pl.when(wg == 0)(schedule_turn)
         lax.fori_loop(my_hi, hi, pass_over, None)
 
-        seen = m > 0.5 * MASK_VALUE  # rows that saw a key
+        seen = m > _NO_KEY  # rows that saw a key
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -329,9 +333,9 @@ def mosaic_forward(
     batch, q_rows, num_q_heads, head_dim = q.shape
     kv_rows, num_kv_heads = k.shape[1], k.shape[2]
     config = config or MosaicForwardConfig.heuristic(head_dim)
-    if q_rows % config.rows or kv_rows % config.block_kv:
+    if not q_rows or not kv_rows or q_rows % config.rows or kv_rows % config.block_kv:
         raise ValueError(
-            f"mosaic_forward: {q.shape=}, {k.shape=}: Tq must be a multiple of "
+            f"mosaic_forward: {q.shape=}, {k.shape=}: Tq must be a positive multiple of "
             f"{config.rows} and Tk of {config.block_kv} ({config})"
         )
     dtype = q.dtype

@@ -1,8 +1,9 @@
 """Which calls the Mosaic GPU kernels cover, and on which devices they run.
 
-The dispatcher (`jaxattn.attention`) asks `forward_unsupported`: None means the Hopper
-kernel takes the call, a string says why not (the Triton kernel then runs, or a forced
-backend raises with that reason). Everything here is static: shapes, dtypes, options.
+The dispatchers (`jaxattn.attention`, ring attention's per-block calls) ask
+`select_forward`, which reads `forward_unsupported`: None means the Hopper kernel takes
+the call, a string says why not (the Triton kernel then runs, or a forced backend raises
+with that reason). Everything here is static: shapes, dtypes, options.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import use_interpret
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 
 HEAD_DIMS = (64, 128, 256)
@@ -17,8 +19,13 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def device_unsupported(device=None) -> str | None:
-    """None on a GPU of compute capability 9.x (Hopper: wgmma, TMA), else why not."""
-    device = device or jax.devices()[0]
+    """None on a GPU of compute capability 9.x (Hopper: wgmma, TMA), else why not.
+    `device`: the one asked about; None: the default device, and the kernels compiled
+    (not in Pallas interpret mode, which Mosaic GPU kernels cannot run in)."""
+    if device is None:
+        if use_interpret():
+            return "Mosaic GPU kernels run compiled only (Pallas interpret mode is on)"
+        device = jax.devices()[0]
     if device.platform != "gpu":
         return f"Mosaic GPU kernels need an sm90 GPU (this device: {device.platform})"
     capability = str(getattr(device, "compute_capability", ""))
@@ -27,16 +34,39 @@ def device_unsupported(device=None) -> str | None:
     return None
 
 
+def select_forward(config, q_shape, k_shape, dtype, *, device=None, **features):
+    """The Hopper kernel's tiling if it runs this forward, None if the Triton kernel does.
+
+    config: a `FlashPrefillConfig` or None. Its `backend` "auto" (or no config) takes the
+    Hopper kernel on compute capability 9.x where `forward_unsupported(..., **features)`
+    says it covers the call; "mosaic" insists, raising NotImplementedError with the
+    reason otherwise; "triton" never takes it. `device`: the device asked about (default
+    the first)."""
+    requested = "auto" if config is None else config.backend
+    if requested == "triton":
+        return None
+    tiling = None if config is None else config.mosaic
+    tiling = tiling or MosaicForwardConfig.heuristic(q_shape[-1])
+    why = device_unsupported(device) or forward_unsupported(
+        q_shape, k_shape, dtype, config=tiling, **features
+    )
+    if why is None:
+        return tiling
+    if requested == "mosaic":
+        raise NotImplementedError(f"backend='mosaic' does not cover this call: {why}")
+    return None
+
+
 def forward_unsupported(
     q_shape,
     k_shape,
     dtype,
     *,
-    packed: bool,
-    lengths: bool,
-    sink_tokens: int,
-    terms: bool,
-    out_fp8: bool,
+    packed: bool = False,
+    lengths: bool = False,
+    sink_tokens: int = 0,
+    terms: bool = False,
+    out_fp8: bool = False,
     config: MosaicForwardConfig,
 ) -> str | None:
     """None if `mosaic_forward` computes this call, else the first reason it cannot.
