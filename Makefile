@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-# Whole files to a worker (--dist loadfile): cases of one file share compiled kernels, so
-# the main suite runs in 9:03 instead of 9:32-9:46 on 2 cores (2026-11-25).
+# Whole files to a worker (--dist loadfile): cases of one file share compiled kernels. On
+# 2 cores the main suite ran 9:03 and 10:16 (two runs, 2026-11-25) against 9:32-9:46
+# with cases spread one by one: no clear gain beyond the machine's noise yet.
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check jaxattn pallas_kernels tests bench examples notebooks
 	$(PY) -m pytest -q -n 2 --dist loadfile tests --ignore=tests/parallel
