@@ -57,9 +57,8 @@ from bench.common import (
     timed_row,
 )
 from bench.decode_quant import bytes_per_token_head, label
-from bench.serving import STEPS, Step, _ours, _pool
+from bench.serving import HEADS, SMOKE_HEADS, STEPS, Step, _ours, _pool
 
-HEADS, SMOKE_HEADS = (32, 8, 128, 16), (4, 2, 32, 8)  # Hq, Hkv, D, page size
 GROUP = 8  # int8 scales per group of GROUP channels
 REF_ROWS, REF_TOKENS = 8, 512  # references run on chunks of at most this many rows / tokens
 

@@ -62,6 +62,7 @@ __all__ = [
     "KVQuant",
     "calibrate_kv_scales",
     "dequantize",
+    "group_amax",
     "group_scales",
     "pack_int4",
     "quantize",
@@ -180,14 +181,18 @@ def _per_channel(scale: Float[Array, "... G"], head_dim: int) -> Float[Array, ".
     return jnp.repeat(scale.astype(jnp.float32), group, axis=-1)
 
 
-def group_scales(x: Float[Array, "... D"], quant: KVQuant) -> Float[Array, "... G"]:
-    """Per-group scales of `x`, bfloat16 `[..., num_groups]`: `max(amax / qmax, TINY_SCALE)`
-    over each group of `group_size` consecutive channels."""
+def group_amax(x: Float[Array, "... D"], quant: KVQuant) -> Float[Array, "... G"]:
+    """float32 `max |x|` over each group of `group_size` consecutive channels."""
     head_dim = x.shape[-1]
     groups = quant.num_groups(head_dim)
     xg = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, head_dim // groups)
-    amax = jnp.max(jnp.abs(xg), axis=-1)
-    scale = jnp.maximum(amax / quant.qmax, TINY_SCALE)
+    return jnp.max(jnp.abs(xg), axis=-1)
+
+
+def group_scales(x: Float[Array, "... D"], quant: KVQuant) -> Float[Array, "... G"]:
+    """Per-group scales of `x`, bfloat16 `[..., num_groups]`: `max(amax / qmax, TINY_SCALE)`
+    over each group of `group_size` consecutive channels."""
+    scale = jnp.maximum(group_amax(x, quant) / quant.qmax, TINY_SCALE)
     # Round to bf16 explicitly: XLA may drop a float32 -> bf16 -> float32 round trip
     # (excess precision, on by default on GPUs), and `quantize` in the same jitted program
     # would then divide by the unrounded scale while the bf16 one is stored.

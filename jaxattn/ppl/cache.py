@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from jaxattn.quant import KVQuant, dequantize, quantize
+from jaxattn.quant import KVQuant, dequantize, group_amax, quantize
 from pallas_kernels.cache_read import CacheFormat, PoolLayout
 
 __all__ = ["LAYOUTS", "PPLCache"]
@@ -189,12 +189,9 @@ class PPLCache:
 
 def _group_scales(x, quant: KVQuant, dtype) -> jax.Array:
     """PPL's scales of `x` `[..., D]`: `max(amax * (1 / qmax), tiny)` per group, in `dtype`."""
-    head_dim = x.shape[-1]
-    groups = quant.num_groups(head_dim)
-    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, head_dim // groups)
     tiny = float(jnp.finfo(dtype).tiny)  # smallest normal: a scale never flushes to zero
     inverse = np.float32(1.0) / np.float32(quant.qmax)
-    scale = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1) * inverse, tiny)
+    scale = jnp.maximum(group_amax(x, quant) * inverse, tiny)
     if jnp.dtype(dtype) == jnp.float16:  # rounded here: XLA may drop a round trip of casts
         scale = jax.lax.reduce_precision(scale, exponent_bits=5, mantissa_bits=10)
     return scale.astype(dtype)
