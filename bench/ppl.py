@@ -45,19 +45,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import (
-    TOLERANCES,
     Row,
     SetResult,
     Settings,
-    check_close,
     describe_error,
     join_notes,
     progress,
-    time_carried,
-    timed_row,
 )
 from bench.decode_quant import bytes_per_token_head, label
 from bench.serving import HEADS, SMOKE_HEADS, STEPS, Step, _ours, _pool
+from bench.serving import _row as serving_row
 
 GROUP = 8  # int8 scales per group of GROUP channels
 REF_ROWS, REF_TOKENS = 8, 512  # references run on chunks of at most this many rows / tokens
@@ -165,27 +162,14 @@ def _format_rows(settings, heads, name, step, cache, args, tables) -> list[Row]:
 
 
 def _row(settings, shape, impl, attn, cache, args, ref, *, work, native_ms=None, notes=""):
-    """Checks `attn(q, k, v, cache, inputs) -> (out, cache)` against `ref`, then times it
-    over `STEPS` carried steps (a Row; its notes: time relative to `native_ms`)."""
-    row = Row("ppl", shape, impl, "ok", unit="TB/s", notes=notes)
-    try:
-        out, _ = attn(*args[:3], cache, args[3])
-        passed, check = check_close(out, ref, f"{impl} {shape}", TOLERANCES[out.dtype])
-        del out
-        if not passed:
-            return progress(
-                dataclasses.replace(row, status="FAILED", notes=join_notes(notes, check))
-            )
-
-        def step(cache, q, k, v, inputs):
-            out, cache = attn(q, k, v, cache, inputs)
-            return cache, out
-
-        timing = time_carried(step, cache, args, settings, STEPS)
-    except Exception as e:  # our op or PPL's raised: a failure either way
-        return progress(dataclasses.replace(row, status="FAILED", notes=describe_error(e)))
-    ratio = f"{timing.median_s * 1e3 / native_ms:.2f}x native time" if native_ms else ""
-    return timed_row(settings, row, timing, work, notes=join_notes(notes, check, ratio))
+    """`bench.serving`'s checked, carried-steps row of set "ppl" (TB/s), its notes saying
+    the time relative to `native_ms`."""
+    row = serving_row(settings, "ppl", shape, impl, attn, cache, args, ref, work=work,
+                      unit="TB/s", notes=notes)  # fmt: skip
+    if native_ms and row.status == "ok":
+        ratio = f"{row.time_ms / native_ms:.2f}x native time"
+        row = dataclasses.replace(row, notes=join_notes(row.notes, ratio))
+    return row
 
 
 def _chunks(step: Step) -> list[tuple[int, int]]:
