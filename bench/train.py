@@ -6,10 +6,11 @@ them; g a random cotangent) at B1 S4096 causal, B1 S4096 full, B1 S16384 causal,
 causal and B1 S65536 causal (the memory row). Implementations:
 
 - ours: `jaxattn.attention(..., implementation="pallas")`, the flash forward and backward
-  kernels with their heuristic configs (`--sweep` times backward tilings, specs
-  "dK/dV kernel/dQ kernel", each block_q x block_kv x num_warps x num_stages); the
-  forward is the Hopper (Mosaic GPU) kernel on sm90, the backward the Triton kernels;
-- ours triton fwd: the same with the Triton forward forced (`backend="triton"`);
+  kernels with their heuristic configs, on sm90 the Hopper (Mosaic GPU) ones (`--sweep`
+  times backward tilings: the Hopper kernels' "mosaic:block_kv_dq x num_stages" and the
+  Triton kernels' "dK/dV kernel/dQ kernel", each block_q x block_kv x num_warps x
+  num_stages);
+- ours triton: the same with the Triton forward and backward forced (`backend="triton"`);
 - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")` (GQA native);
 - triton mha: JAX's Pallas Triton `mha` (`jax.experimental.pallas.ops.gpu.attention`) with
   its default block sizes. It has no GQA: k and v are repeated to Hq heads inside the
@@ -92,10 +93,14 @@ SHAPES = (Dense(1, 4096, True), Dense(1, 4096, False), Dense(1, 16384, True),
 SMOKE_SHAPES = (Dense(1, 128, True), Dense(1, 128, False), Dense(1, 256, True),
                 Dense(2, 64, True), Dense(1, 512, True))  # fmt: skip
 
-# Backward tilings, "dK/dV kernel/dQ kernel", each block_q x block_kv x num_warps x
-# num_stages. The first is the heuristic for bf16 D 128, timed again for its own noise;
-# 128-key dK/dV tiles are left out (they spill: FlashBackwardConfig.heuristic's notes).
+# Backward tilings: the Hopper kernels' "mosaic:block_kv_dq x num_stages", then Triton's
+# "dK/dV kernel/dQ kernel", each block_q x block_kv x num_warps x num_stages (its
+# heuristic for bf16 D 128 first); 128-key dK/dV tiles are left out (they spill:
+# FlashBackwardConfig.heuristic's notes).
 DEFAULT_SWEEP = (
+    "mosaic:64x2",
+    "mosaic:64x3",
+    "mosaic:128x2",
     "64x64x4x2/64x64x4x2",
     "64x64x4x2/128x64x8x2",
     "64x64x8x2/64x64x8x2",
@@ -196,24 +201,53 @@ def _reference_grads(q, k, v, g, causal: bool) -> tuple[jax.Array, jax.Array, ja
 
 
 def parse_backward_config(spec: str):
-    """A FlashBackwardConfig from "dK/dV kernel/dQ kernel", each block_q x block_kv x
-    num_warps x num_stages: "64x128x8x2/128x64x8x2"."""
-    from jaxattn import FlashBackwardConfig
+    """A FlashBackwardConfig from a spec: Triton's "dK/dV kernel/dQ kernel", each block_q x
+    block_kv x num_warps x num_stages ("64x128x8x2/128x64x8x2"), or the Hopper kernels'
+    "mosaic:block_kv_dq x num_stages" ("mosaic:64x2")."""
+    from jaxattn import FlashBackwardConfig, MosaicBackwardConfig
 
+    if spec.startswith("mosaic:"):
+        block_kv_dq, stages = (int(x) for x in spec.removeprefix("mosaic:").split("x"))
+        return FlashBackwardConfig(
+            backend="mosaic", mosaic=MosaicBackwardConfig(block_kv_dq, stages)
+        )
     dkdv, dq = spec.split("/")
     q_dkv, kv_dkv, warps_dkv, stages_dkv = (int(x) for x in dkdv.split("x"))
     q_dq, kv_dq, warps_dq, stages_dq = (int(x) for x in dq.split("x"))
     return FlashBackwardConfig(
-        q_dkv, kv_dkv, q_dq, kv_dq, (warps_dkv, warps_dq), (stages_dkv, stages_dq)
-    )
+        q_dkv, kv_dkv, q_dq, kv_dq, (warps_dkv, warps_dq), (stages_dkv, stages_dq),
+        backend="triton",
+    )  # fmt: skip
 
 
 def backward_config_label(config) -> str:
+    """The spec of the kernels a config runs (as `parse_backward_config` reads it); "auto"
+    names both candidates."""
     (warps_dkv, warps_dq), (stages_dkv, stages_dq) = config.num_warps, config.num_stages
-    return (
+    triton = (
         f"{config.block_q_dkv}x{config.block_kv_dkv}x{warps_dkv}x{stages_dkv}/"
         f"{config.block_q_dq}x{config.block_kv_dq}x{warps_dq}x{stages_dq}"
     )
+    tiling = config.mosaic
+    mosaic = "mosaic" if tiling is None else f"mosaic:{tiling.block_kv_dq}x{tiling.num_stages}"
+    return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")
+
+
+def heuristic_backward(shape: Dense, heads: Heads):
+    """The heuristic backward config of a row, with the backend that "auto" picks on this
+    device spelled out (the same kernels run; the row's label names them)."""
+    from jaxattn import FlashBackwardConfig
+    from pallas_kernels.mosaic import select_backward
+
+    config = FlashBackwardConfig.heuristic(
+        shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype
+    )
+    q_shape = (shape.batch, shape.seq_len, heads.num_q_heads, heads.head_dim)
+    k_shape = (shape.batch, shape.seq_len, heads.num_kv_heads, heads.head_dim)
+    tiling = select_backward(config, q_shape, k_shape, heads.dtype, masked=shape.causal)
+    if tiling is None:
+        return dataclasses.replace(config, backend="triton")
+    return dataclasses.replace(config, backend="mosaic", mosaic=tiling)
 
 
 SWEEP = Sweep(parse=parse_backward_config, label=backward_config_label, default=DEFAULT_SWEEP)
@@ -292,9 +326,7 @@ def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -
     ref = _reference_grads(*arg_sets[0], shape.causal)
     flops = BACKWARD_FACTOR * attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
     forward = heuristic_config(shape.seq_len, heads, shape.causal)
-    backward = FlashBackwardConfig.heuristic(
-        shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype
-    )
+    backward = heuristic_backward(shape, heads)
     ours = ours_entries(
         settings,
         sweep=SWEEP,
@@ -304,14 +336,21 @@ def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -
         notes=f"fwd {config_label(forward)}",
     )
     triton = dataclasses.replace(forward, backend="triton")
+    triton_backward = dataclasses.replace(
+        FlashBackwardConfig.heuristic(shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype),
+        backend="triton",
+    )
     peers, not_run = (
         [
             Entry(
-                "ours triton fwd",
-                _ours(triton, shape.causal)(backward),
+                "ours triton",
+                _ours(triton, shape.causal)(triton_backward),
                 arg_sets,
-                notes=f"fwd {config_label(triton)}",
-            )  # fmt: skip
+                notes=join_notes(
+                    f"fwd {config_label(triton)}",
+                    f"config {backward_config_label(triton_backward)}",
+                ),
+            )
         ],
         {},
     )

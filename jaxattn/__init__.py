@@ -32,7 +32,7 @@ from jaxattn.rope import (
 )
 from pallas_kernels.flash_backward import FlashBackwardConfig
 from pallas_kernels.flash_prefill import FlashPrefillConfig
-from pallas_kernels.mosaic import MosaicForwardConfig
+from pallas_kernels.mosaic import MosaicBackwardConfig, MosaicForwardConfig
 from pallas_kernels.paged_decode import PagedDecodeConfig
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "quantize",
     "FlashBackwardConfig",
     "FlashPrefillConfig",
+    "MosaicBackwardConfig",
     "MosaicForwardConfig",
     "KVCacheManager",
     "PagedDecodeConfig",

@@ -7,8 +7,10 @@ the call, the Triton kernel otherwise (`FlashPrefillConfig.backend` forces one).
 
 Gradients come from a custom VJP. With `"pallas"` its forward saves q, k, v, the output
 and the float32 log-sum-exp (nothing of size Tq x Tk), whichever kernel ran, and its
-backward runs the flash backward kernels (`pallas_kernels.flash_backward`: dK/dV and dQ,
-deterministic, GQA summed in-kernel), for every option the forward takes; the gradients of
+backward runs flash backward kernels (dK/dV and dQ, deterministic, GQA summed in-kernel):
+the Hopper ones (`pallas_kernels.mosaic.mosaic_backward`) where `select_backward` takes the
+call, the Triton ones (`pallas_kernels.flash_backward`) for every other option the forward
+takes (`FlashBackwardConfig.backend` forces one); the gradients of
 a bias, the ALiBi slopes and a T5 table are computed only when they are differentiated
 (symbolic zeros). With `"xla"` the backward differentiates the reference. An FP8 output
 (`out_dtype=float8_e4m3fn`) is an inference format: it has no gradient, and differentiating
@@ -35,7 +37,7 @@ from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
-from pallas_kernels.mosaic import mosaic_forward, select_forward
+from pallas_kernels.mosaic import mosaic_backward, mosaic_forward, select_backward, select_forward
 
 __all__ = ["attention", "ragged_attention"]
 
@@ -366,8 +368,27 @@ def _backward_local(
     mask,
     rel_table,
 ):
-    """The flash backward kernels on one shard: (dq, dk, dv, d_bias, d_alibi, d_rel)."""
+    """The flash backward kernels on one shard: (dq, dk, dv, d_bias, d_alibi, d_rel).
+    The Hopper kernels where `select_backward` takes the call (they cover no bias terms:
+    those gradients are None), else the Triton ones."""
     backward = None if config is None else config.backward
+    tiling = select_backward(
+        backward,
+        q.shape,
+        k.shape,
+        q.dtype,
+        masked=static.causal or static.window is not None,
+        packed=static.packed,
+        lengths=len_q is not None or len_k is not None,
+        sink_tokens=static.sink_tokens,
+        terms=any(x is not None for x in (alibi, bias, mask, rel_table)),
+    )
+    if tiling is not None:
+        dq, dk, dv = mosaic_backward(
+            q, k, v, out, lse, g_out, g_lse, causal=static.causal, window=static.window,
+            soft_cap=static.soft_cap, scale=static.scale, config=tiling,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None
     if backward is None:
         backward = FlashBackwardConfig.heuristic(*_max_lengths(static, q, k), q.shape[-1], q.dtype)
     return flash_backward(

@@ -264,7 +264,8 @@ def test_kernel_tilings(config):
 @hopper_only
 def test_attention_selects_mosaic_and_differentiates():
     """`jaxattn.attention` on this device: the forward runs the Hopper kernel (chosen
-    automatically), and gradients through its residuals match the reference's."""
+    automatically), and gradients through its residuals (the Hopper backward, also chosen
+    automatically) match the reference's as closely as the Triton kernels' do."""
     static = _static(causal=True, window=None)
     q_shape, k_shape = (2, 512, 8, 128), (2, 512, 2, 128)
     q_s, k_s = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (q_shape, k_shape))
@@ -278,7 +279,9 @@ def test_attention_selects_mosaic_and_differentiates():
         return jnp.sum(op(q, k, v, causal=True, soft_cap=25.0).astype(jnp.float32) * w)
 
     auto = functools.partial(jaxattn.attention, implementation="pallas")
-    triton = functools.partial(auto, config=jaxattn.FlashPrefillConfig(backend="triton"))
+    triton_bwd = jaxattn.FlashBackwardConfig(backend="triton")
+    config = jaxattn.FlashPrefillConfig(backend="triton", backward=triton_bwd)
+    triton = functools.partial(auto, config=config)
     grads = jax.jit(jax.grad(functools.partial(loss, auto), argnums=(0, 1, 2)))(q, k, v)
     ref = jax.jit(jax.grad(functools.partial(loss, triton), argnums=(0, 1, 2)))(q, k, v)
     exact = jax.jit(

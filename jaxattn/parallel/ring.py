@@ -56,7 +56,7 @@ from jaxattn.dispatch import run_first
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import Batch, FlashPrefillConfig, LogitParams, flash_prefill
-from pallas_kernels.mosaic import mosaic_forward, select_forward
+from pallas_kernels.mosaic import mosaic_backward, mosaic_forward, select_backward, select_forward
 
 __all__ = [
     "LAYOUTS",
@@ -239,6 +239,12 @@ def _attend_backward(ring: _Ring, q, k, v, out, lse, g, causal: bool):
     if ring.impl == "xla":
         return _attend_backward_xla(q, k, v, out, lse, g, causal, ring.scale)
     backward = ring.config.backward if ring.config is not None else None
+    tiling = select_backward(backward, q.shape, k.shape, q.dtype, masked=causal)
+    if tiling is not None:  # the Hopper kernels (sm90), as `jaxattn.attention` picks them
+        grads = mosaic_backward(
+            q, k, v, out, lse, g, causal=causal, scale=ring.scale, config=tiling
+        )
+        return tuple(x.astype(jnp.float32) for x in grads)
     if backward is None:
         backward = FlashBackwardConfig.heuristic(q.shape[1], k.shape[1], q.shape[-1], q.dtype)
     params = LogitParams(causal=causal, scale=ring.scale)

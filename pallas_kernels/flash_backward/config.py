@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels.common import next_power_of_2
+from pallas_kernels.mosaic.config import BACKENDS, MosaicBackwardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +18,12 @@ class FlashBackwardConfig:
     rows at a time (every query head of the group in turn); the dQ kernel holds `block_q_dq`
     query rows of one head and walks `block_kv_dq` keys at a time. Each is a power of two
     >= 16 (Triton's dot minimum). `num_warps` / `num_stages`: per kernel, (dK/dV, dQ).
+
+    `backend`: which kernels run the gradient of a dense batch. "auto": the Hopper kernels
+    (`pallas_kernels.mosaic`, Mosaic GPU) on compute capability 9.x when they cover the
+    call, else the Triton kernels; "triton" or "mosaic" force one ("mosaic" raises
+    NotImplementedError, with the reason, where it cannot). The fields above tile the
+    Triton kernels; `mosaic` (a `MosaicBackwardConfig`, None: its heuristic) the Hopper ones.
     """
 
     block_q_dkv: int = 64
@@ -25,8 +32,12 @@ class FlashBackwardConfig:
     block_kv_dq: int = 64
     num_warps: tuple[int, int] = (4, 4)
     num_stages: tuple[int, int] = (2, 2)
+    backend: str = "auto"
+    mosaic: MosaicBackwardConfig | None = None
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"FlashBackwardConfig: backend={self.backend!r} not in {BACKENDS}")
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
             size = getattr(self, name)
             if not (size >= 16 and size & (size - 1) == 0):

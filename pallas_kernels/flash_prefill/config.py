@@ -8,9 +8,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import next_power_of_2
 from pallas_kernels.flash_backward.config import FlashBackwardConfig
-from pallas_kernels.mosaic.config import MosaicForwardConfig
-
-BACKENDS = ("auto", "triton", "mosaic")
+from pallas_kernels.mosaic.config import BACKENDS, MosaicForwardConfig
 
 
 def _is_power_of_2(n: int) -> bool:

@@ -4,14 +4,25 @@ They run on compute capability 9.x only (not in CPU interpret mode); `support` s
 calls they cover, and the dispatcher falls back to the Triton kernels for the rest.
 """
 
-from pallas_kernels.mosaic.config import MosaicForwardConfig
+from pallas_kernels.mosaic.backward import mosaic_backward
+from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
 from pallas_kernels.mosaic.forward import mosaic_forward
-from pallas_kernels.mosaic.support import device_unsupported, forward_unsupported, select_forward
+from pallas_kernels.mosaic.support import (
+    backward_unsupported,
+    device_unsupported,
+    forward_unsupported,
+    select_backward,
+    select_forward,
+)
 
 __all__ = [
+    "MosaicBackwardConfig",
     "MosaicForwardConfig",
+    "backward_unsupported",
     "device_unsupported",
     "forward_unsupported",
+    "mosaic_backward",
     "mosaic_forward",
+    "select_backward",
     "select_forward",
 ]

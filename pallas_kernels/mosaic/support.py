@@ -1,9 +1,10 @@
 """Which calls the Mosaic GPU kernels cover, and on which devices they run.
 
 The dispatchers (`jaxattn.attention`, ring attention's per-block calls) ask
-`select_forward`, which reads `forward_unsupported`: None means the Hopper kernel takes
-the call, a string says why not (the Triton kernel then runs, or a forced backend raises
-with that reason). Everything here is static: shapes, dtypes, options.
+`select_forward` / `select_backward`, which read `forward_unsupported` /
+`backward_unsupported`: None means the Hopper kernel takes the call, a string says why not
+(the Triton kernel then runs, or a forced backend raises with that reason). Everything
+here is static: shapes, dtypes, options.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import use_interpret
-from pallas_kernels.mosaic.config import MosaicForwardConfig
+from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
 
 HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (
+    64,
+    128,
+)  # D256: Q and dO (or K and V) of a block and a ring overflow shared memory
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -42,18 +47,50 @@ def select_forward(config, q_shape, k_shape, dtype, *, device=None, **features):
     says it covers the call; "mosaic" insists, raising NotImplementedError with the
     reason otherwise; "triton" never takes it. `device`: the device asked about (default
     the first)."""
+    tiling = None if config is None else config.mosaic
+    tiling = tiling or MosaicForwardConfig.heuristic(q_shape[-1])
+    return _select(config, tiling, device, forward_unsupported, q_shape, k_shape, dtype, **features)
+
+
+def select_backward(config, q_shape, k_shape, dtype, *, masked, device=None, **features):
+    """The Hopper backward's tiling if it runs this gradient, None if the Triton kernels do.
+
+    config: a `FlashBackwardConfig` or None, its `backend` read as `select_forward` reads
+    the forward's; `masked`: a causal mask or a window (for the tiling heuristic);
+    features: as `backward_unsupported`'s."""
+    tiling = None if config is None else config.mosaic
+    tiling = tiling or MosaicBackwardConfig.heuristic(masked)
+    return _select(
+        config, tiling, device, backward_unsupported, q_shape, k_shape, dtype, **features
+    )
+
+
+def _select(config, tiling, device, unsupported, *args, **features):
     requested = "auto" if config is None else config.backend
     if requested == "triton":
         return None
-    tiling = None if config is None else config.mosaic
-    tiling = tiling or MosaicForwardConfig.heuristic(q_shape[-1])
-    why = device_unsupported(device) or forward_unsupported(
-        q_shape, k_shape, dtype, config=tiling, **features
-    )
+    why = device_unsupported(device) or unsupported(*args, config=tiling, **features)
     if why is None:
         return tiling
     if requested == "mosaic":
         raise NotImplementedError(f"backend='mosaic' does not cover this call: {why}")
+    return None
+
+
+def _options_unsupported(dtype, *, packed, lengths, sink_tokens, terms, out_fp8) -> str | None:
+    """The options neither Hopper kernel covers (the first one found), or None."""
+    if packed:
+        return "packed (cu_seqlens) batches"
+    if lengths:
+        return "q_lengths / kv_lengths"
+    if sink_tokens:
+        return "sink tokens"
+    if terms:
+        return "bias, mask, ALiBi or T5 terms"
+    if out_fp8:
+        return "an FP8 output"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (bfloat16 and float16 only)"
     return None
 
 
@@ -75,18 +112,11 @@ def forward_unsupported(
     kv lengths given; `terms`: a bias, mask, ALiBi or T5 table; causal, window, soft-cap,
     scale and GQA are always covered.
     """
-    if packed:
-        return "packed (cu_seqlens) batches"
-    if lengths:
-        return "q_lengths / kv_lengths"
-    if sink_tokens:
-        return "sink tokens"
-    if terms:
-        return "bias, mask, ALiBi or T5 terms"
-    if out_fp8:
-        return "an FP8 output"
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (bfloat16 and float16 only)"
+    why = _options_unsupported(
+        dtype, packed=packed, lengths=lengths, sink_tokens=sink_tokens, terms=terms, out_fp8=out_fp8
+    )
+    if why is not None:
+        return why
     head_dim = q_shape[-1]
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
@@ -95,6 +125,35 @@ def forward_unsupported(
         return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
     if kv_rows % config.block_kv:
         return f"Tk={kv_rows} not a multiple of block_kv={config.block_kv}"
+    if not config.fits(head_dim, jnp.dtype(dtype).itemsize):
+        return f"{config} needs {config.smem_bytes(head_dim)} bytes of shared memory"
+    return None
+
+
+def backward_unsupported(
+    q_shape,
+    k_shape,
+    dtype,
+    *,
+    packed: bool = False,
+    lengths: bool = False,
+    sink_tokens: int = 0,
+    terms: bool = False,
+    config: MosaicBackwardConfig,
+) -> str | None:
+    """None if `mosaic_backward` computes this gradient, else the first reason it cannot
+    (the arguments as `forward_unsupported`'s)."""
+    why = _options_unsupported(
+        dtype, packed=packed, lengths=lengths, sink_tokens=sink_tokens, terms=terms, out_fp8=False
+    )
+    if why is not None:
+        return why
+    head_dim = q_shape[-1]
+    if head_dim not in BACKWARD_HEAD_DIMS:
+        return f"head_dim {head_dim} in the backward (one of {BACKWARD_HEAD_DIMS})"
+    q_rows, kv_rows = q_shape[1], k_shape[1]
+    if q_rows % config.rows or kv_rows % config.rows:  # (and so of block_kv_dq)
+        return f"Tq={q_rows}, Tk={kv_rows} in the backward: multiples of {config.rows}"
     if not config.fits(head_dim, jnp.dtype(dtype).itemsize):
         return f"{config} needs {config.smem_bytes(head_dim)} bytes of shared memory"
     return None

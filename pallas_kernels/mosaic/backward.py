@@ -1,0 +1,423 @@
+"""Flash attention backward for Hopper (sm90) in Pallas Mosaic GPU: dQ and dK/dV kernels.
+
+Both kernels follow the forward's structure (`forward.py`): per block a producer warpgroup
+streams tiles through a TMA ring of `num_stages` slots ("loaded" / "consumed" barriers),
+and two consumer warpgroups compute on wgmma, each passing over the ring blocks its rows
+do not need (waiting and arriving, so barrier phases stay in step).
+
+- dQ: a consumer holds 64 query rows of one head (Q, dO in shared memory; lse, delta in
+  registers) and walks the key blocks they see: S = Q K^T, P = exp2(S' - lse), dP = dO
+  V^T, dS = P (dP - delta), dQ += dS K. Causal blocks launch the last query tiles (the
+  ones seeing the most keys) first.
+- dK/dV: a consumer holds 64 keys of one kv head (K, V in shared memory) and walks, for
+  each query head of the group in turn, the query blocks that see them: S^T = K Q^T,
+  P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q. The group's
+  sum stays in registers: no per-query-head dK/dV in HBM.
+
+The two kernels compute S and dP twice (7 GEMMs where a fused dQ needs 5). A dK/dV kernel
+also reduce-adding dS K into a float32 dQ by TMA was tried (2026-11-25, H100): correct,
+but 1.7x slower than the two kernels (20.7 against 12.2 ms at B1 S16384 causal, GQA 32/8
+D128), with three 64x128 float32 accumulators live per consumer.
+
+Inputs come preprocessed (`mosaic_backward`): the base-2 lse (+inf for rows that see no
+key, so their P is 0) and delta = rowsum(dO * O) - d(lse) (the lse cotangent enters as
+dS = P (dP - delta + g_lse)).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import LOG2E, MASK_VALUE
+from pallas_kernels.mosaic.config import MosaicBackwardConfig
+from pallas_kernels.mosaic.forward import _clip, _floor_div, _max, _min, _plgpu, block_range
+
+_CONSUMERS = 2
+_ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
+
+
+def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q):
+    """(lo, hi, full_lo, full_hi): the query blocks `[lo, hi)` with a row that sees some
+    key of `first_key..last_key` (row r sits at position r + offset), and the blocks
+    `[full_lo, full_hi)` whose every row sees every one of those keys."""
+    lo = full_lo = 0
+    hi = full_hi = num_blocks
+    if causal:  # rows r >= key - offset see the key
+        lo = _clip(_floor_div(first_key - offset, block_q), 0, num_blocks)
+        full_lo = _clip(_floor_div(last_key - offset + block_q - 1, block_q), 0, num_blocks)
+    if window is not None:  # rows r <= key + window - 1 - offset see the key
+        hi = _clip(_floor_div(last_key + window - offset + block_q - 1, block_q), 0, num_blocks)
+        full_hi = _clip(_floor_div(first_key + window - offset, block_q), 0, num_blocks)
+    lo = _min(lo, hi)
+    full_lo = _clip(full_lo, lo, hi)
+    full_hi = _clip(full_hi, full_lo, hi)
+    return lo, hi, full_lo, full_hi
+
+
+def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap, scale, masked):
+    """Base-2 logits of an S tile `[rows, keys]` (or S^T `[keys, rows]`: `transposed`) and
+    the soft-cap's derivative factor `1 - tanh^2` (None without a cap). Masked: invisible
+    entries at MASK_VALUE. rows_first / keys_first: positions of the tile's first row/key."""
+    plgpu = _plgpu()
+    t = None
+    if soft_cap is None:
+        s = qk * (scale * LOG2E)
+    else:
+        t = jnp.tanh(qk * (scale / soft_cap))
+        s = (soft_cap * LOG2E) * t
+    if masked and (causal or window is not None):
+        layout = plgpu.Layout.WGMMA
+        a = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=layout)
+        c = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=layout)
+        pos, key = (
+            (c + rows_first, a + keys_first) if transposed else (a + rows_first, c + keys_first)
+        )
+        visible = None
+        if causal:
+            visible = key <= pos
+        if window is not None:
+            in_window = key > pos - window
+            visible = in_window if visible is None else visible & in_window
+        s = jnp.where(visible, s, MASK_VALUE)
+    return s, None if t is None else 1.0 - t * t
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, barriers, *,
+               causal, window, soft_cap, scale, group, stages, block_kv):  # fmt: skip
+    plgpu = _plgpu()
+    q_smem2, do_smem2, row_smem2, k_smem, v_smem = smem
+    in_barriers, k_loaded, v_loaded, k_consumed, v_consumed = barriers
+    _, q_rows, _, head_dim = q_ref.shape
+    kv_rows = k_ref.shape[1]
+    dtype = q_ref.dtype
+    num_blocks, offset = kv_rows // block_kv, kv_rows - q_rows
+    b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    kvh = h // group
+    tile = lax.axis_index("tiles")
+    if causal:  # the last query tiles see the most keys: launch them first
+        tile = q_rows // (_CONSUMERS * _ROWS) - 1 - tile
+
+    def blocks_of(consumer):
+        first = tile * (_CONSUMERS * _ROWS) + consumer * _ROWS + offset
+        return block_range(first, first + _ROWS - 1, causal=causal, window=window,
+                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
+
+    lo0, hi0, _, _ = blocks_of(0)
+    lo1, hi1, _, _ = blocks_of(1)
+    lo, hi = _union(lo0, hi0, lo1, hi1, num_blocks)
+
+    def slot_of(step):
+        return step % stages if isinstance(step, int) else lax.rem(step, stages)
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        first_row = tile * (_CONSUMERS * _ROWS) + wg * _ROWS
+        my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
+        q_smem, do_smem, row_smem = q_smem2.at[wg], do_smem2.at[wg], row_smem2.at[wg]
+        rows = (b, pl.ds(first_row, _ROWS), h)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, in_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, in_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(first_row, _ROWS)], row_smem.at[0],
+                                in_barriers.at[wg])  # fmt: skip
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(first_row, _ROWS)], row_smem.at[1],
+                                in_barriers.at[wg])  # fmt: skip
+        plgpu.barrier_wait(in_barriers.at[wg])
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        lse = plgpu.load(row_smem.at[0], (), layout=row_layout)
+        delta = plgpu.load(row_smem.at[1], (), layout=row_layout)
+        dq = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+        def pass_over(step, _):
+            slot = slot_of(step)
+            for loaded, consumed in ((k_loaded, k_consumed), (v_loaded, v_consumed)):
+                plgpu.barrier_wait(loaded.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+        def step_body(step, dq, *, masked: bool):
+            slot = slot_of(step)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+
+            def gemms(refs):
+                s_ref, dp_ref = refs
+                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+
+            zeros = plgpu.layout_cast(jnp.zeros((_ROWS, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+            qk, dp = pl.run_state(gemms)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            s, cap_grad = _logits(qk, rows_first=first_row + offset, keys_first=step * block_kv,
+                                  transposed=False, causal=causal, window=window,
+                                  soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
+            p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            if cap_grad is not None:
+                ds = ds * cap_grad
+            ds16 = ds.astype(dtype)
+
+            def dq_gemm(acc_ref):
+                plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])
+
+            dq = pl.run_state(dq_gemm)(plgpu.ACC.init(dq))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return dq
+
+        lax.fori_loop(lo, my_lo, pass_over, None)
+        dq = lax.fori_loop(my_lo, full_lo, functools.partial(step_body, masked=True), dq)
+        dq = lax.fori_loop(full_lo, full_hi, functools.partial(step_body, masked=False), dq)
+        dq = lax.fori_loop(full_hi, my_hi, functools.partial(step_body, masked=True), dq)
+        lax.fori_loop(my_hi, hi, pass_over, None)
+        q_smem[...] = (dq * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        sources = ((k_ref, k_smem, k_loaded, k_consumed), (v_ref, v_smem, v_loaded, v_consumed))
+
+        def load(step, wait):
+            slot = slot_of(step)
+            rows = (b, pl.ds(step * block_kv, block_kv), kvh)
+            for src, dst, loaded, consumed in sources:
+                if wait:
+                    plgpu.barrier_wait(consumed.at[slot])
+                plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
+
+        _produce(lo, hi, stages, load)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem,
+                 barriers, *, causal, window, soft_cap, scale, group, stages, block_q):  # fmt: skip
+    plgpu = _plgpu()
+    k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
+    in_barriers, q_loaded, q_consumed = barriers
+    _, q_rows, _, head_dim = q_ref.shape
+    kv_rows = k_ref.shape[1]
+    dtype = q_ref.dtype
+    num_blocks, offset = q_rows // block_q, kv_rows - q_rows
+    b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    tile = lax.axis_index("tiles")
+
+    def blocks_of(consumer):
+        first = tile * (_CONSUMERS * _ROWS) + consumer * _ROWS
+        return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
+                                 offset=offset, num_blocks=num_blocks, block_q=block_q)  # fmt: skip
+
+    lo0, hi0, _, _ = blocks_of(0)
+    lo1, hi1, _, _ = blocks_of(1)
+    lo, hi = _union(lo0, hi0, lo1, hi1, num_blocks)
+    span = hi - lo  # ring steps per query head: head g's block j is step g * span + j - lo
+
+    def slot_of(step):
+        return step % stages if isinstance(step, int) else lax.rem(step, stages)
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        first_key = tile * (_CONSUMERS * _ROWS) + wg * _ROWS
+        my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        keys = (b, pl.ds(first_key, _ROWS), kvh)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, in_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, in_barriers.at[wg])
+        plgpu.barrier_wait(in_barriers.at[wg])
+        layout = plgpu.Layout.WGMMA
+        zeros = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), layout)
+
+        def head_loop(g, carry):
+            base = g * span - lo  # ring step of block j of this head: base + j
+
+            def pass_over(j, _):
+                slot = slot_of(base + j)
+                plgpu.barrier_wait(q_loaded.at[slot])
+                plgpu.barrier_arrive(q_consumed.at[slot])
+
+            def step_body(j, carry, *, masked: bool):
+                dk, dv = carry
+                slot = slot_of(base + j)
+                plgpu.barrier_wait(q_loaded.at[slot])
+                col_layout = layout.reduce(0)
+                lse = plgpu.load(row_smem.at[slot, 0], (), layout=col_layout)
+                delta = plgpu.load(row_smem.at[slot, 1], (), layout=col_layout)
+
+                def st_gemm(acc_ref):
+                    plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(st_gemm, plgpu.ACC((_ROWS, block_q), jnp.float32))
+                s, cap_grad = _logits(qk, rows_first=j * block_q + offset, keys_first=first_key,
+                                      transposed=True, causal=causal, window=window,
+                                      soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
+
+                def dv_dp_gemms(refs):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+
+                st_zeros = plgpu.layout_cast(jnp.zeros((_ROWS, block_q), jnp.float32), layout)
+                dv, dp = pl.run_state(dv_dp_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(st_zeros)))
+                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+                if cap_grad is not None:
+                    ds = ds * cap_grad
+                ds16 = ds.astype(dtype)
+
+                def dk_gemm(acc_ref):
+                    plgpu.wgmma(acc_ref, ds16, q_smem.at[slot])
+
+                dk = pl.run_state(dk_gemm)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(q_consumed.at[slot])
+                return dk, dv
+
+            lax.fori_loop(lo, my_lo, pass_over, None)
+            carry = lax.fori_loop(my_lo, full_lo, functools.partial(step_body, masked=True), carry)
+            carry = lax.fori_loop(full_lo, full_hi, functools.partial(step_body, masked=False),
+                                  carry)  # fmt: skip
+            carry = lax.fori_loop(full_hi, my_hi, functools.partial(step_body, masked=True), carry)
+            lax.fori_loop(my_hi, hi, pass_over, None)
+            return carry
+
+        dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+        k_smem[...] = (dk * scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[keys])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(step, wait):
+            slot = slot_of(step)
+            g = step // span if isinstance(step, int) else lax.div(step, span)
+            j = lo + step - g * span
+            h = kvh * group + g
+            if wait:
+                plgpu.barrier_wait(q_consumed.at[slot])
+            rows = (b, pl.ds(j * block_q, block_q), h)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], q_loaded.at[slot])
+            cols = (b, h, pl.ds(j * block_q, block_q))
+            plgpu.copy_gmem_to_smem(lse_ref.at[cols], row_smem.at[slot, 0], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[cols], row_smem.at[slot, 1], q_loaded.at[slot])
+
+        _produce(0, group * span, stages, load)
+
+
+def _union(lo0, hi0, lo1, hi1, num_blocks):
+    """The producer's range: both consumers' (an empty one adds nothing)."""
+    if all(isinstance(x, int) for x in (lo0, hi0, lo1, hi1)):
+        return min(lo0, lo1), max(hi0, hi1)
+    lo = jnp.where(hi0 > lo0, lo0, lo1)
+    lo = jnp.where(hi1 > lo1, jnp.minimum(lo, lo1), lo)
+    hi = _max(hi0, hi1)
+    return _min(lo, hi), hi
+
+
+def _produce(lo, hi, stages, load):
+    """Ring steps `[lo, hi)`: the first `stages` without waiting, the rest each once its
+    slot is consumed (`load(step, wait)`)."""
+    for i in range(stages):
+        pl.when(lo + i < hi)(functools.partial(load, lo + i, False))
+
+    @pl.loop(lo + stages, _max(hi, lo + stages))
+    def _(step):
+        load(step, True)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
+def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, window=None,
+                    soft_cap=None, scale=1.0, config=None):  # fmt: skip
+    """(dq, dk, dv) of dense flash attention from its forward's residuals (either
+    forward kernel's: both return the natural lse).
+
+    Args:
+      q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype; D 64
+        or 128; Tq, Tk multiples of 128 (`pallas_kernels.mosaic.support.backward_unsupported`
+        checks all of this first).
+      out: the forward's output, like q; lse: its float32 `[B, Hq, Tq]` (not finite: the
+        row sees no key); g_out: out's cotangent, like q; g_lse: lse's or None.
+      causal, window, soft_cap, scale: the forward's (queries bottom-right aligned).
+      config: a `MosaicBackwardConfig`; None picks `MosaicBackwardConfig.heuristic`.
+
+    Returns:
+      (dq, dk, dv) in the inputs' shapes and dtype.
+    """
+    plgpu = _plgpu()
+    config = config or MosaicBackwardConfig.heuristic(causal or window is not None)
+    batch, q_rows, num_q_heads, head_dim = q.shape
+    kv_rows, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    stages, dtype = config.num_stages, q.dtype
+    rows = _CONSUMERS * _ROWS
+    if q_rows % rows or kv_rows % rows or kv_rows % config.block_kv_dq:
+        raise ValueError(f"mosaic_backward: {q.shape=}, {k.shape=}: Tq, Tk multiples of {rows}")
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), g_out.astype(jnp.float32))
+    finite = jnp.isfinite(lse)  # not: the row sees no key
+    if g_lse is not None:
+        delta = delta - jnp.where(finite, g_lse, 0.0)
+    lse2 = jnp.where(finite, lse * LOG2E, jnp.inf)
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    opts = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale, group=group,
+                stages=stages)  # fmt: skip
+    common = dict(num_threads=_CONSUMERS + 1, thread_name="wg",
+                  compiler_params=plgpu.CompilerParams(approx_math=True))  # fmt: skip
+
+    bk = config.block_kv_dq
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, block_kv=bk, **opts),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=(
+            (
+                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((_CONSUMERS, 2, _ROWS), jnp.float32),
+                plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=4, num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+            ),
+        ),
+        grid=(num_q_heads, q_rows // rows, batch),
+        grid_names=("heads", "tiles", "batch"),
+        **common,
+    )(q, k, v, g_out, lse2, delta)
+
+    bq = config.block_q_dkv
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, block_q=bq, **opts),
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        scratch_types=(
+            (
+                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((stages, 2, bq), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+            ),
+        ),
+        grid=(num_kv_heads, kv_rows // rows, batch),
+        grid_names=("heads", "tiles", "batch"),
+        **common,
+    )(q, k, v, g_out, lse2, delta)
+    return dq, dk, dv

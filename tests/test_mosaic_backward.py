@@ -1,0 +1,315 @@
+"""The Hopper (Mosaic GPU) backward: which gradients it takes, and what it computes.
+
+On CPU: the selection logic (`select_backward` against stand-in devices, and that
+`jaxattn.attention`'s gradient calls the Hopper kernels exactly when it selects them), the
+query-block ranges the dK/dV kernel walks (against brute-force visibility), config
+validation, and that both kernels trace and lower for CUDA. On an sm90 GPU: dq, dk, dv
+(with an lse cotangent) against the float64 analytic backward (`grad_oracle.py`) over the
+option combinations and both tilings, and `jaxattn.attention`'s gradient through the
+automatic choice against the Triton kernels' and the oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import util
+from grad_oracle import attention_grad_oracle
+from test_grad_kernels import assert_grad_close
+from test_mosaic import AMPERE, CPU, HOPPER, hopper_only
+
+import jaxattn
+from pallas_kernels.mosaic import (
+    MosaicBackwardConfig,
+    backward_unsupported,
+    mosaic_backward,
+    mosaic_forward,
+    select_backward,
+)
+from pallas_kernels.mosaic.backward import query_block_range
+
+attention_module = importlib.import_module("jaxattn.attention")  # (`jaxattn.attention` is
+# also the function, which the package's attribute names)
+Q_SHAPE, K_SHAPE = (2, 512, 8, 128), (2, 512, 2, 128)
+
+
+def _select(config=None, q_shape=Q_SHAPE, k_shape=K_SHAPE, dtype=jnp.bfloat16, device=HOPPER,
+            masked=True, **features):  # fmt: skip
+    return select_backward(config, q_shape, k_shape, dtype, masked=masked, device=device,
+                           **features)  # fmt: skip
+
+
+# ------------------------------------------------------------------ selection (CPU)
+
+
+def test_auto_takes_mosaic_on_hopper_only():
+    assert _select() == MosaicBackwardConfig.heuristic(True)
+    assert _select(masked=False) == MosaicBackwardConfig(block_kv_dq=128)
+    assert _select(jaxattn.FlashBackwardConfig()) is not None
+    assert _select(device=AMPERE) is None
+    assert _select(device=CPU) is None
+    assert _select(jaxattn.FlashBackwardConfig(backend="triton")) is None
+    tiling = MosaicBackwardConfig(block_kv_dq=128, num_stages=3)
+    assert _select(jaxattn.FlashBackwardConfig(mosaic=tiling), q_shape=(1, 256, 4, 64),
+                   k_shape=(1, 256, 4, 64)) == tiling  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(packed=True), "packed"),
+        (dict(lengths=True), "lengths"),
+        (dict(sink_tokens=4), "sink"),
+        (dict(terms=True), "ALiBi"),
+        (dict(dtype=jnp.float32), "float32"),
+        (dict(q_shape=(2, 512, 8, 256), k_shape=(2, 512, 2, 256)), "head_dim 256"),
+        (dict(q_shape=(2, 512, 8, 96), k_shape=(2, 512, 2, 96)), "head_dim 96"),
+        (dict(q_shape=(2, 448, 8, 128)), "Tq=448"),
+        (dict(k_shape=(2, 576, 2, 128)), "Tk=576"),
+        (
+            dict(
+                config=jaxattn.FlashBackwardConfig(
+                    mosaic=MosaicBackwardConfig(block_kv_dq=128, num_stages=3)
+                )
+            ),
+            "shared memory",
+        ),
+    ],
+)
+def test_uncovered_calls_fall_back_or_raise(change, reason):
+    config = change.pop("config", jaxattn.FlashBackwardConfig())
+    assert _select(config, **change) is None
+    forced = jaxattn.FlashBackwardConfig(backend="mosaic", mosaic=config.mosaic)
+    with pytest.raises(NotImplementedError, match=reason):
+        _select(forced, **change)
+
+
+def test_forced_mosaic_names_the_device():
+    with pytest.raises(NotImplementedError, match="compute capability 9"):
+        _select(jaxattn.FlashBackwardConfig(backend="mosaic"), device=AMPERE)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="backend"):
+        jaxattn.FlashBackwardConfig(backend="cudnn")
+    for bad in (dict(block_kv_dq=32), dict(block_kv_dq=256), dict(num_stages=1),
+                dict(num_stages=4)):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            MosaicBackwardConfig(**bad)
+    assert MosaicBackwardConfig(block_kv_dq=128, num_stages=2).fits(128)
+    assert not MosaicBackwardConfig(block_kv_dq=64, num_stages=2).fits(256)
+    assert (
+        backward_unsupported(Q_SHAPE, K_SHAPE, jnp.float16, config=MosaicBackwardConfig()) is None
+    )
+
+
+@pytest.mark.parametrize("selected", [True, False])
+def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected):
+    """On any device: `jaxattn.attention`'s gradient runs `mosaic_backward` (with the
+    call's options and the selected tiling) exactly when `select_backward` takes it."""
+    tiling = MosaicBackwardConfig(block_kv_dq=128)
+    seen = {}
+
+    def fake_select(config, q_shape, k_shape, dtype, *, masked, **features):
+        seen["select"] = dict(masked=masked, **features)
+        return tiling if selected else None
+
+    def fake_backward(q, k, v, out, lse, g_out, g_lse, **kw):
+        seen["backward"] = kw
+        return tuple(jnp.full_like(x, 7) for x in (q, k, v))
+
+    monkeypatch.setattr(attention_module, "select_backward", fake_select)
+    monkeypatch.setattr(attention_module, "mosaic_backward", fake_backward)
+    rng = util.rng_for("backward wiring", selected)
+    q, k, v = (util.randn(rng, (1, 128, 2, 32)) for _ in range(3))
+
+    def loss(q, k, v):
+        out = jaxattn.attention(q, k, v, causal=True, window=40, soft_cap=20.0, scale=0.3,
+                                implementation="pallas")  # fmt: skip
+        return jnp.sum(out)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert seen["select"] == dict(masked=True, packed=False, lengths=False, sink_tokens=0,
+                                  terms=False)  # fmt: skip
+    if selected:
+        assert seen["backward"] == dict(causal=True, window=40, soft_cap=20.0, scale=0.3,
+                                        config=tiling)  # fmt: skip
+        assert all((np.asarray(g) == 7).all() for g in grads)
+    else:
+        assert "backward" not in seen
+        assert not any((np.asarray(g) == 7).all() for g in grads)
+
+
+# ------------------------------------------------------------------ skipped blocks (CPU)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (True, 300)])
+@pytest.mark.parametrize("offset", [0, 24, -40])
+def test_query_block_range_matches_visibility(causal, window, offset):
+    block, num_blocks = 16, 10
+    rows = np.arange(block * num_blocks)
+    pos = rows[:, None] + offset
+    for first in range(0, block * num_blocks + 40, 3):
+        for count in (1, 16, 64):
+            keys = np.arange(first, first + count)[None, :]
+            visible = np.ones((rows.size, count), bool)
+            if causal:
+                visible &= keys <= pos
+            if window is not None:
+                visible &= keys > pos - window
+            per_block = visible.reshape(num_blocks, block, count)
+            any_seen = np.flatnonzero(per_block.any(axis=(1, 2)))
+            all_seen = per_block.all(axis=(1, 2))
+            lo, hi, full_lo, full_hi = (
+                int(x)
+                for x in query_block_range(
+                    jnp.int32(first),
+                    jnp.int32(first + count - 1),
+                    causal=causal,
+                    window=window,
+                    offset=offset,
+                    num_blocks=num_blocks,
+                    block_q=block,
+                )  # fmt: skip
+            )
+            where = f"keys {first}..{first + count - 1}"
+            if any_seen.size:
+                assert (lo, hi) == (any_seen[0], any_seen[-1] + 1), where
+            else:
+                assert lo == hi, where
+            assert lo <= full_lo <= full_hi <= hi, where
+            assert all_seen[full_lo:full_hi].all(), where
+            inner = np.flatnonzero(all_seen)
+            if inner.size:
+                assert full_lo <= inner[0] and full_hi >= inner[-1] + 1, where
+
+
+# ------------------------------------------------------------------ lowering (CPU)
+
+
+@pytest.mark.parametrize(
+    "d, causal, window, cap, tq, tk, block_kv_dq",
+    [
+        (128, True, None, None, 256, 256, 64),
+        (64, True, 100, None, 256, 384, 64),
+        (128, False, None, 30.0, 128, 256, 128),
+    ],
+)
+def test_backward_lowers_for_cuda(d, causal, window, cap, tq, tk, block_kv_dq):
+    q = jax.ShapeDtypeStruct((1, tq, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, tk, 2, d), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 4, tq), jnp.float32)
+    fn = functools.partial(mosaic_backward, causal=causal, window=window, soft_cap=cap,
+                           scale=0.1, config=MosaicBackwardConfig(block_kv_dq))  # fmt: skip
+    text = jax.jit(fn).trace(q, k, k, q, lse, q, lse).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
+# ------------------------------------------------------------------ the kernels (sm90)
+
+CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
+    (1, 256, 256, 4, 4, 128, False, None, None),
+    (2, 512, 512, 8, 2, 128, True, None, None),
+    (1, 256, 512, 4, 1, 64, True, None, None),
+    (1, 512, 256, 4, 2, 128, True, None, None),  # Tq > Tk: the first rows see no key
+    (1, 512, 512, 4, 2, 128, True, 100, 20.0),
+    (1, 384, 640, 8, 2, 64, False, 200, None),
+]
+
+
+def _case_inputs(case, dtype):
+    b, tq, tk, hq, hkv, d, *_ = case
+    rng = util.rng_for("mosaic backward", case, dtype)
+    q = util.randn(rng, (b, tq, hq, d), dtype)
+    k, v = (util.randn(rng, (b, tk, hkv, d), dtype) for _ in range(2))
+    g_out = util.randn(rng, (b, tq, hq, d), dtype)
+    g_lse = util.randn(rng, (b, hq, tq), "float32")
+    return q, k, v, g_out, g_lse
+
+
+def _check(case, dtype, grads, inputs):
+    *_, causal, window, cap = case
+    q, k, v, g_out, g_lse = inputs
+    opts = dict(causal=causal, window=window, soft_cap=cap, scale=q.shape[-1] ** -0.5)
+    args = [util.f64(x) for x in inputs]
+    want = attention_grad_oracle(*args, **opts)
+    lowp = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    plain = attention_grad_oracle(*args, lowp=lowp, **opts)
+    for name, got in zip("qkv", grads, strict=True):
+        ref_err = float(np.max(np.abs(plain.grads[name] - want.grads[name])))
+        assert_grad_close(got, want.grads[name], want.flows[name], dtype, name, ref_err)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_backward_matches_oracle(case, dtype):
+    *_, causal, window, cap = case
+    inputs = _case_inputs(case, dtype)
+    q, k, v, g_out, g_lse = inputs
+    opts = dict(causal=causal, window=window, soft_cap=cap, scale=q.shape[-1] ** -0.5)
+    out, lse = mosaic_forward(q, k, v, **opts)
+    grads = jax.jit(functools.partial(mosaic_backward, **opts))(q, k, v, out, lse, g_out, g_lse)
+    _check(case, dtype, grads, inputs)
+
+
+@hopper_only
+@pytest.mark.parametrize(
+    "config", [MosaicBackwardConfig(64, 3), MosaicBackwardConfig(128, 2)], ids=str
+)
+def test_backward_tilings(config):
+    case = CASES[1]
+    inputs = _case_inputs(case, "bfloat16")
+    q, k, v, g_out, g_lse = inputs
+    opts = dict(causal=True, scale=q.shape[-1] ** -0.5)
+    out, lse = mosaic_forward(q, k, v, **opts)
+    fn = functools.partial(mosaic_backward, config=config, **opts)
+    grads = jax.jit(fn)(q, k, v, out, lse, g_out, g_lse)
+    _check(case, "bfloat16", grads, inputs)
+
+
+@hopper_only
+def test_attention_gradient_takes_mosaic_and_matches_triton():
+    """`jaxattn.attention`'s gradient on this device: the automatic choice (the Hopper
+    kernels, on either forward's residuals) against the Triton kernels and the oracle."""
+    case = (2, 512, 512, 8, 2, 128, True, None, 25.0)
+    inputs = _case_inputs(case, "bfloat16")
+    q, k, v, g_out, _ = inputs
+    assert _select(device=None) is not None
+
+    def grads(prefill, backward):
+        config = jaxattn.FlashPrefillConfig(backend=prefill, backward=backward)
+
+        def loss(q, k, v):
+            out = jaxattn.attention(q, k, v, causal=True, soft_cap=25.0, config=config,
+                                    implementation="pallas")  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    triton = grads("triton", jaxattn.FlashBackwardConfig(backend="triton"))
+    zero_lse = (*inputs[:4], jnp.zeros_like(inputs[4]))
+    for prefill in ("auto", "triton"):
+        got = grads(prefill, None)
+        _check(case, "bfloat16", got, zero_lse)
+        for name, g, t in zip("qkv", got, triton, strict=True):
+            diff = np.abs(util.f64(g) - util.f64(t)).max()
+            assert diff <= 5e-2 * max(1.0, np.abs(util.f64(t)).max()), (prefill, name, diff)
+
+
+def test_cases_cover_each_option():
+    """The GPU cases meet causal, full, window, soft-cap, D64/D128, MQA/GQA/MHA, Tq > Tk."""
+    seen = set()
+    for _, tq, tk, hq, hkv, d, causal, window, cap in CASES:
+        seen |= {f"D{d}", "causal" if causal else "full", f"group{hq // hkv}"}
+        seen |= {"window"} if window else set()
+        seen |= {"cap"} if cap else set()
+        seen |= {"tq>tk"} if tq > tk else set()
+    assert seen >= {"D64", "D128", "causal", "full", "window", "cap", "group1", "group4",
+                    "tq>tk"}  # fmt: skip
