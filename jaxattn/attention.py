@@ -568,6 +568,8 @@ def attention(
         covers the call: bf16/fp16, head_dim 64/128/256, no lengths, sinks or
         bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
         "triton", or "mosaic" (NotImplementedError, with the reason, where it cannot).
+        `config.backward.backend` says the same of the gradient's kernels (the Hopper
+        ones: the forward's coverage at head_dim 64/128, Tq and Tk multiples of 128).
       out_dtype: None (q's dtype), or `jnp.float8_e4m3fn`: FP8 output, quantized in the
         kernel's epilogue from the float32 result as `clip(out * (1 / out_scale), -448,
         448)` rounded to nearest even (TensorRT-LLM's convention; dequantize with
@@ -583,8 +585,9 @@ def attention(
 
     Gradients (`jax.grad`, first order) flow to q, k, v, `bias`, `alibi_slopes` and the
     `relative_bias` table, and through the lse too. With `"pallas"` they come from the
-    flash backward kernels in memory linear in the sequence length, deterministically (the
-    same bits on every run: no atomics), in the inputs' dtypes with float32 accumulation;
+    flash backward kernels (Hopper or Triton, as `config.backward.backend` picks) in
+    memory linear in the sequence length, deterministically (the same bits on every run:
+    no atomics), in the inputs' dtypes with float32 accumulation;
     rows with no visible key get zero gradient. A differentiated `bias` costs one float32
     `[B, Hq, Tq, Tk]` buffer (its gradient before the sum over broadcast axes).
     """
