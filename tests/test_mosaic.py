@@ -148,6 +148,23 @@ def test_config_validation():
 # ------------------------------------------------------------------ skipped blocks (CPU)
 
 
+def assert_range_matches(bounds, any_seen, all_seen, where: str):
+    """A kernel's (lo, hi, full_lo, full_hi) block range against brute force: `any_seen`
+    the indices of the blocks with some visible pair, `all_seen` per block whether every
+    pair is visible. No fully visible block is left to the masked path outside
+    [full_lo, full_hi) except at the range's ends (masking there is correct, only slower)."""
+    lo, hi, full_lo, full_hi = bounds
+    if any_seen.size:
+        assert (lo, hi) == (any_seen[0], any_seen[-1] + 1), where
+    else:
+        assert lo == hi, where
+    assert lo <= full_lo <= full_hi <= hi, where
+    assert all_seen[full_lo:full_hi].all(), where
+    inner = np.flatnonzero(all_seen)
+    if inner.size:
+        assert full_lo <= inner[0] and full_hi >= inner[-1] + 1, where
+
+
 @pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (True, 300)])
 def test_block_range_matches_visibility(causal, window):
     """Every block holding a visible key is in [lo, hi); blocks in [full_lo, full_hi) are
@@ -177,17 +194,7 @@ def test_block_range_matches_visibility(causal, window):
                 )  # fmt: skip
             )
             where = f"rows {first}..{first + rows - 1}"
-            if any_seen.size:
-                assert (lo, hi) == (any_seen[0], any_seen[-1] + 1), where
-            else:
-                assert lo == hi, where
-            assert lo <= full_lo <= full_hi <= hi, where
-            assert all_seen[full_lo:full_hi].all(), where
-            # No fully visible block is left to the masked path outside [full_lo, full_hi)
-            # except at the range's ends (masking there is correct, only slower).
-            inner = np.flatnonzero(all_seen)
-            if inner.size:
-                assert full_lo <= inner[0] and full_hi >= inner[-1] + 1, where
+            assert_range_matches((lo, hi, full_lo, full_hi), any_seen, all_seen, where)
 
 
 LOWERED = [  # (D, causal, window, soft_cap, Tq, Tk, Hq, Hkv, dtype)

@@ -22,7 +22,7 @@ import pytest
 import util
 from grad_oracle import attention_grad_oracle
 from test_grad_kernels import assert_grad_close
-from test_mosaic import AMPERE, CPU, HOPPER, hopper_only
+from test_mosaic import AMPERE, CPU, HOPPER, assert_range_matches, hopper_only
 
 import jaxattn
 from pallas_kernels.mosaic import (
@@ -179,15 +179,7 @@ def test_query_block_range_matches_visibility(causal, window, offset):
                 )  # fmt: skip
             )
             where = f"keys {first}..{first + count - 1}"
-            if any_seen.size:
-                assert (lo, hi) == (any_seen[0], any_seen[-1] + 1), where
-            else:
-                assert lo == hi, where
-            assert lo <= full_lo <= full_hi <= hi, where
-            assert all_seen[full_lo:full_hi].all(), where
-            inner = np.flatnonzero(all_seen)
-            if inner.size:
-                assert full_lo <= inner[0] and full_hi >= inner[-1] + 1, where
+            assert_range_matches((lo, hi, full_lo, full_hi), any_seen, all_seen, where)
 
 
 # ------------------------------------------------------------------ lowering (CPU)

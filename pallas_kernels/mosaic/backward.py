@@ -35,7 +35,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LOG2E, MASK_VALUE
 from pallas_kernels.mosaic.config import MosaicBackwardConfig
-from pallas_kernels.mosaic.forward import _clip, _floor_div, _max, _min, _plgpu, block_range
+from pallas_kernels.mosaic.forward import (
+    _clip,
+    _floor_div,
+    _max,
+    _min,
+    _plgpu,
+    block_range,
+    visible,
+)
 
 _CONSUMERS = 2
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
@@ -77,13 +85,7 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap,
         pos, key = (
             (c + rows_first, a + keys_first) if transposed else (a + rows_first, c + keys_first)
         )
-        visible = None
-        if causal:
-            visible = key <= pos
-        if window is not None:
-            in_window = key > pos - window
-            visible = in_window if visible is None else visible & in_window
-        s = jnp.where(visible, s, MASK_VALUE)
+        s = jnp.where(visible(pos, key, causal=causal, window=window), s, MASK_VALUE)
     return s, None if t is None else 1.0 - t * t
 
 

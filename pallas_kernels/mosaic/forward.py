@@ -82,6 +82,17 @@ def _floor_div(a, b: int):
     return lax.div(jnp.maximum(a, 0), b)
 
 
+def visible(pos, key, *, causal: bool, window: int | None):
+    """Whether the query at position `pos` sees the key at `key` (arrays of one shape):
+    causal (key <= pos) and within the window (key > pos - window). At least one of
+    `causal` / `window` is set."""
+    seen = key <= pos if causal else None
+    if window is not None:
+        in_window = key > pos - window
+        seen = in_window if seen is None else seen & in_window
+    return seen
+
+
 def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
     """(lo, hi, full_lo, full_hi): the key blocks `[lo, hi)` holding a key visible to some
     row at positions `first_pos..last_pos` (int32 scalars), and the blocks `[full_lo,
@@ -202,13 +213,7 @@ def _kernel(
             j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
             pos = r + (first_row + offset)
             key = j + step * block_kv
-            visible = None
-            if causal:
-                visible = key <= pos
-            if window is not None:
-                in_window = key > pos - window
-                visible = in_window if visible is None else visible & in_window
-            return jnp.where(visible, s, MASK_VALUE)
+            return jnp.where(visible(pos, key, causal=causal, window=window), s, MASK_VALUE)
 
         def softmax(qk, step, masked: bool, m, l):
             """Online softmax in base 2 of one S tile: (m, alpha, p, l) after it."""
