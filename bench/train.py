@@ -222,12 +222,14 @@ def parse_backward_config(spec: str):
 
 def backward_config_label(config) -> str:
     """The spec of the kernels a config runs (as `parse_backward_config` reads it); "auto"
-    names both candidates."""
-    (warps_dkv, warps_dq), (stages_dkv, stages_dq) = config.num_warps, config.num_stages
-    triton = (
-        f"{config.block_q_dkv}x{config.block_kv_dkv}x{warps_dkv}x{stages_dkv}/"
-        f"{config.block_q_dq}x{config.block_kv_dq}x{warps_dq}x{stages_dq}"
-    )
+    names both candidates (Triton fields left None: "heuristic")."""
+    triton = "heuristic"
+    if config.num_warps is not None and config.num_stages is not None:
+        (warps_dkv, warps_dq), (stages_dkv, stages_dq) = config.num_warps, config.num_stages
+        triton = (
+            f"{config.block_q_dkv}x{config.block_kv_dkv}x{warps_dkv}x{stages_dkv}/"
+            f"{config.block_q_dq}x{config.block_kv_dq}x{warps_dq}x{stages_dq}"
+        )
     tiling = config.mosaic
     mosaic = "mosaic" if tiling is None else f"mosaic:{tiling.block_kv_dq}x{tiling.num_stages}"
     return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")

@@ -389,8 +389,9 @@ def _backward_local(
             soft_cap=static.soft_cap, scale=static.scale, config=tiling,
         )  # fmt: skip
         return dq, dk, dv, None, None, None
-    if backward is None:
-        backward = FlashBackwardConfig.heuristic(*_max_lengths(static, q, k), q.shape[-1], q.dtype)
+    backward = (backward or FlashBackwardConfig()).resolve(
+        *_max_lengths(static, q, k), q.shape[-1], q.dtype
+    )
     return flash_backward(
         q,
         k,

@@ -11,6 +11,7 @@ automatic choice against the Triton kernels' and the oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -110,9 +111,11 @@ def test_config_validation():
 
 
 @pytest.mark.parametrize("selected", [True, False])
-def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected):
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected, with_lse):
     """On any device: `jaxattn.attention`'s gradient runs `mosaic_backward` (with the
-    call's options and the selected tiling) exactly when `select_backward` takes it."""
+    call's options, the lse cotangent where the loss uses the lse, and the selected
+    tiling) exactly when `select_backward` takes it."""
     tiling = MosaicBackwardConfig(block_kv_dq=128)
     seen = {}
 
@@ -122,17 +125,18 @@ def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected):
 
     def fake_backward(q, k, v, out, lse, g_out, g_lse, **kw):
         seen["backward"] = kw
+        seen["g_lse"] = None if g_lse is None else np.asarray(g_lse)
         return tuple(jnp.full_like(x, 7) for x in (q, k, v))
 
     monkeypatch.setattr(attention_module, "select_backward", fake_select)
     monkeypatch.setattr(attention_module, "mosaic_backward", fake_backward)
-    rng = util.rng_for("backward wiring", selected)
+    rng = util.rng_for("backward wiring", selected, with_lse)
     q, k, v = (util.randn(rng, (1, 128, 2, 32)) for _ in range(3))
 
     def loss(q, k, v):
-        out = jaxattn.attention(q, k, v, causal=True, window=40, soft_cap=20.0, scale=0.3,
-                                implementation="pallas")  # fmt: skip
-        return jnp.sum(out)
+        out, lse = jaxattn.attention(q, k, v, causal=True, window=40, soft_cap=20.0, scale=0.3,
+                                     return_lse=True, implementation="pallas")  # fmt: skip
+        return jnp.sum(out) + (3.0 * jnp.sum(lse) if with_lse else 0.0)
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert seen["select"] == dict(masked=True, packed=False, lengths=False, sink_tokens=0,
@@ -140,10 +144,46 @@ def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected):
     if selected:
         assert seen["backward"] == dict(causal=True, window=40, soft_cap=20.0, scale=0.3,
                                         config=tiling)  # fmt: skip
+        if with_lse:
+            assert seen["g_lse"].shape == (1, 2, 128) and (seen["g_lse"] == 3.0).all()
+        else:
+            assert seen["g_lse"] is None or not seen["g_lse"].any()
         assert all((np.asarray(g) == 7).all() for g in grads)
     else:
         assert "backward" not in seen
         assert not any((np.asarray(g) == 7).all() for g in grads)
+
+
+@pytest.mark.parametrize("selected", [True, False])
+def test_ring_block_gradient_calls_the_selected_kernels(monkeypatch, selected):
+    """Ring attention's per-block backward: `mosaic_backward` (causal, scale, tiling; no
+    lse cotangent) exactly when `select_backward` takes the block, float32 shares out."""
+    ring = importlib.import_module("jaxattn.parallel.ring")
+    tiling = MosaicBackwardConfig()
+    seen = {}
+
+    def fake_select(config, q_shape, k_shape, dtype, *, masked, **features):
+        seen["select"] = dict(masked=masked, **features)
+        return tiling if selected else None
+
+    def fake_backward(q, k, v, out, lse, g_out, *rest, **kw):
+        seen["backward"] = (rest, kw)
+        return tuple(jnp.full_like(x, 7) for x in (q, k, v))
+
+    monkeypatch.setattr(ring, "select_backward", fake_select)
+    monkeypatch.setattr(ring, "mosaic_backward", fake_backward)
+    rng = util.rng_for("ring backward wiring", selected)
+    q, k, v, g = (util.randn(rng, (1, 64, 2, 32)) for _ in range(4))
+    out, lse = jaxattn.attention_reference(q, k, v, causal=True, scale=0.2, return_lse=True)
+    static = ring._Ring("x", True, 0.2, "contiguous", "pallas", None)
+    grads = ring._attend_backward(static, q, k, v, out, lse, g, True)
+    assert seen["select"] == dict(masked=True)
+    assert all(x.dtype == jnp.float32 for x in grads)
+    if selected:
+        assert seen["backward"] == ((), dict(causal=True, scale=0.2, config=tiling))
+        assert all((np.asarray(x) == 7).all() for x in grads)
+    else:
+        assert "backward" not in seen
 
 
 # ------------------------------------------------------------------ skipped blocks (CPU)
@@ -267,29 +307,39 @@ def test_backward_tilings(config):
 
 
 @hopper_only
-def test_attention_gradient_takes_mosaic_and_matches_triton():
-    """`jaxattn.attention`'s gradient on this device: the automatic choice (the Hopper
-    kernels, on either forward's residuals) against the Triton kernels and the oracle."""
+def test_attention_gradient_takes_mosaic_and_matches_triton(monkeypatch):
+    """`jaxattn.attention`'s gradient on this device, through out and the lse: the
+    automatic choice runs the Hopper kernels (on either forward's residuals) and matches
+    the oracle and the Triton kernels."""
     case = (2, 512, 512, 8, 2, 128, True, None, 25.0)
     inputs = _case_inputs(case, "bfloat16")
-    q, k, v, g_out, _ = inputs
-    assert _select(device=None) is not None
+    q, k, v, g_out, g_lse = inputs
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return mosaic_backward(*args, **kw)
+
+    monkeypatch.setattr(attention_module, "mosaic_backward", spy)
 
     def grads(prefill, backward):
         config = jaxattn.FlashPrefillConfig(backend=prefill, backward=backward)
 
         def loss(q, k, v):
-            out = jaxattn.attention(q, k, v, causal=True, soft_cap=25.0, config=config,
-                                    implementation="pallas")  # fmt: skip
-            return jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32))
+            out, lse = jaxattn.attention(q, k, v, causal=True, soft_cap=25.0, config=config,
+                                         return_lse=True, implementation="pallas")  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32)) + jnp.sum(
+                jnp.where(jnp.isfinite(lse), lse * g_lse, 0.0)
+            )
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     triton = grads("triton", jaxattn.FlashBackwardConfig(backend="triton"))
-    zero_lse = (*inputs[:4], jnp.zeros_like(inputs[4]))
+    assert not calls
     for prefill in ("auto", "triton"):
         got = grads(prefill, None)
-        _check(case, "bfloat16", got, zero_lse)
+        assert len(calls) == 1 and calls.pop()["config"] is not None, prefill
+        _check(case, "bfloat16", got, inputs)
         for name, g, t in zip("qkv", got, triton, strict=True):
             diff = np.abs(util.f64(g) - util.f64(t)).max()
             assert diff <= 5e-2 * max(1.0, np.abs(util.f64(t)).max()), (prefill, name, diff)
@@ -305,3 +355,18 @@ def test_cases_cover_each_option():
         seen |= {"tq>tk"} if tq > tk else set()
     assert seen >= {"D64", "D128", "causal", "full", "window", "cap", "group1", "group4",
                     "tq>tk"}  # fmt: skip
+
+
+def test_backward_config_resolves_unset_triton_fields():
+    """A config built only to pick the backend takes the Triton heuristic's tiles for the
+    shape (float32 / D256 need smaller ones than bf16 D128); set fields stay."""
+    want = jaxattn.FlashBackwardConfig.heuristic(2048, 2048, 256, jnp.float32)
+    got = jaxattn.FlashBackwardConfig(backend="triton").resolve(2048, 2048, 256, jnp.float32)
+    assert dataclasses.replace(got, backend="auto") == want
+    mine = jaxattn.FlashBackwardConfig(block_q_dq=16, num_stages=(3, 3))
+    got = mine.resolve(2048, 2048, 128, jnp.bfloat16)
+    assert (got.block_q_dq, got.num_stages, got.block_kv_dkv) == (16, (3, 3), 64)
+    full = jaxattn.FlashBackwardConfig(16, 16, 16, 16, (4, 4), (1, 1))
+    assert full.resolve(2048, 2048, 128, jnp.bfloat16) is full
+    with pytest.raises(TypeError, match="MosaicBackwardConfig"):
+        jaxattn.FlashBackwardConfig(mosaic=jaxattn.MosaicForwardConfig())

@@ -245,8 +245,9 @@ def _attend_backward(ring: _Ring, q, k, v, out, lse, g, causal: bool):
             q, k, v, out, lse, g, causal=causal, scale=ring.scale, config=tiling
         )
         return tuple(x.astype(jnp.float32) for x in grads)
-    if backward is None:
-        backward = FlashBackwardConfig.heuristic(q.shape[1], k.shape[1], q.shape[-1], q.dtype)
+    backward = (backward or FlashBackwardConfig()).resolve(
+        q.shape[1], k.shape[1], q.shape[-1], q.dtype
+    )
     params = LogitParams(causal=causal, scale=ring.scale)
     dq, dk, dv, *_ = flash_backward(
         q, k, v, out, lse, g, None, Batch(), params=params, config=backward,

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from pallas_kernels.common import next_power_of_2
 from pallas_kernels.mosaic.config import BACKENDS, MosaicBackwardConfig
 
+_BLOCKS = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+
 
 @dataclasses.dataclass(frozen=True)
 class FlashBackwardConfig:
@@ -18,6 +20,7 @@ class FlashBackwardConfig:
     rows at a time (every query head of the group in turn); the dQ kernel holds `block_q_dq`
     query rows of one head and walks `block_kv_dq` keys at a time. Each is a power of two
     >= 16 (Triton's dot minimum). `num_warps` / `num_stages`: per kernel, (dK/dV, dQ).
+    A field left None takes `heuristic`'s value for the call's shape (`resolve`).
 
     `backend`: which kernels run the gradient of a dense batch. "auto": the Hopper kernels
     (`pallas_kernels.mosaic`, Mosaic GPU) on compute capability 9.x when they cover the
@@ -26,30 +29,43 @@ class FlashBackwardConfig:
     Triton kernels; `mosaic` (a `MosaicBackwardConfig`, None: its heuristic) the Hopper ones.
     """
 
-    block_q_dkv: int = 64
-    block_kv_dkv: int = 64
-    block_q_dq: int = 64
-    block_kv_dq: int = 64
-    num_warps: tuple[int, int] = (4, 4)
-    num_stages: tuple[int, int] = (2, 2)
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+    num_warps: tuple[int, int] | None = None
+    num_stages: tuple[int, int] | None = None
     backend: str = "auto"
     mosaic: MosaicBackwardConfig | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"FlashBackwardConfig: backend={self.backend!r} not in {BACKENDS}")
-        for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
+        if self.mosaic is not None and not isinstance(self.mosaic, MosaicBackwardConfig):
+            raise TypeError(f"FlashBackwardConfig: mosaic={self.mosaic!r}: a MosaicBackwardConfig")
+        for name in _BLOCKS:
             size = getattr(self, name)
-            if not (size >= 16 and size & (size - 1) == 0):
+            if size is not None and not (size >= 16 and size & (size - 1) == 0):
                 raise ValueError(f"FlashBackwardConfig: {name}={size} must be a power of 2 >= 16")
-        for w in self.num_warps:
+        for w in self.num_warps or ():
             if w not in (1, 2, 4, 8, 16):
                 raise ValueError(f"FlashBackwardConfig: num_warps={self.num_warps} not in 1..16")
-        if len(self.num_warps) != 2 or len(self.num_stages) != 2 or min(self.num_stages) < 1:
+        pairs = [x for x in (self.num_warps, self.num_stages) if x is not None]
+        if any(len(x) != 2 for x in pairs) or min(self.num_stages or (1,)) < 1:
             raise ValueError(
                 f"FlashBackwardConfig: num_warps={self.num_warps}, num_stages={self.num_stages}:"
                 " one entry >= 1 per kernel (dK/dV, dQ)"
             )
+
+    def resolve(self, q_len: int, kv_len: int, head_dim: int, dtype) -> FlashBackwardConfig:
+        """This config with every Triton field left None taken from `heuristic` for the
+        shape (a config built only to choose `backend` or `mosaic` tiles like the default)."""
+        unset = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
+        unset = [name for name in unset if name != "mosaic"]
+        if not unset:
+            return self
+        tiles = FlashBackwardConfig.heuristic(q_len, kv_len, head_dim, dtype)
+        return dataclasses.replace(self, **{name: getattr(tiles, name) for name in unset})
 
     @classmethod
     def heuristic(cls, q_len: int, kv_len: int, head_dim: int, dtype) -> FlashBackwardConfig:

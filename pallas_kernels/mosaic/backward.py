@@ -345,10 +345,11 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
 
     Args:
       q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype; D 64
-        or 128; Tq, Tk multiples of 128 (`pallas_kernels.mosaic.support.backward_unsupported`
-        checks all of this first).
+        or 128; Tq, Tk multiples of 128 (the dispatchers check all of this with
+        `pallas_kernels.mosaic.support.backward_unsupported` first; this checks the lengths).
       out: the forward's output, like q; lse: its float32 `[B, Hq, Tq]` (not finite: the
-        row sees no key); g_out: out's cotangent, like q; g_lse: lse's or None.
+        row sees no key); g_out: out's cotangent, q's shape (cast to q's dtype); g_lse:
+        lse's or None.
       causal, window, soft_cap, scale: the forward's (queries bottom-right aligned).
       config: a `MosaicBackwardConfig`; None picks `MosaicBackwardConfig.heuristic`.
 
@@ -364,7 +365,9 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
     rows = _CONSUMERS * _ROWS
     if q_rows % rows or kv_rows % rows or kv_rows % config.block_kv_dq:
         raise ValueError(f"mosaic_backward: {q.shape=}, {k.shape=}: Tq, Tk multiples of {rows}")
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), g_out.astype(jnp.float32))
+    g_out = g_out.astype(dtype)
+    delta = jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32), axis=-1)
+    delta = delta.transpose(0, 2, 1)  # [B, Hq, Tq]
     finite = jnp.isfinite(lse)  # not: the row sees no key
     if g_lse is not None:
         delta = delta - jnp.where(finite, g_lse, 0.0)
