@@ -252,6 +252,9 @@ CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
     (1, 512, 256, 4, 2, 128, True, None, None),  # Tq > Tk: the first rows see no key
     (1, 512, 512, 4, 2, 128, True, 100, 20.0),
     (1, 384, 640, 8, 2, 64, False, 200, None),
+    (1, 256, 384, 4, 2, 64, True, 150, None),  # causal and window, Tq < Tk
+    (1, 384, 256, 4, 2, 128, False, 100, None),  # window alone, Tq > Tk
+    (1, 256, 256, 4, 4, 128, False, None, 2.0),  # a cap without a mask; tanh saturates
 ]
 
 
@@ -293,13 +296,20 @@ def test_backward_matches_oracle(case, dtype):
 
 @hopper_only
 @pytest.mark.parametrize(
-    "config", [MosaicBackwardConfig(64, 3), MosaicBackwardConfig(128, 2)], ids=str
+    "config, case",
+    [
+        (MosaicBackwardConfig(64, 3), CASES[1]),
+        (MosaicBackwardConfig(128, 2), CASES[1]),
+        (MosaicBackwardConfig(128, 3), CASES[2]),  # D64: 128-key dQ steps in three stages
+        (MosaicBackwardConfig(64, 3), CASES[4]),  # window and soft-cap
+    ],
+    ids=lambda x: str(x) if isinstance(x, MosaicBackwardConfig) else "-".join(map(str, x)),
 )
-def test_backward_tilings(config):
-    case = CASES[1]
+def test_backward_tilings(config, case):
+    *_, causal, window, cap = case
     inputs = _case_inputs(case, "bfloat16")
     q, k, v, g_out, g_lse = inputs
-    opts = dict(causal=True, scale=q.shape[-1] ** -0.5)
+    opts = dict(causal=causal, window=window, soft_cap=cap, scale=q.shape[-1] ** -0.5)
     out, lse = mosaic_forward(q, k, v, **opts)
     fn = functools.partial(mosaic_backward, config=config, **opts)
     grads = jax.jit(fn)(q, k, v, out, lse, g_out, g_lse)
