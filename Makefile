@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 GPU_PY ?= python3
 GPU_WORKERS ?= 12
 
-.PHONY: demo test test-gpu test-gpu-dense test-gpu-grad test-gpu-rest bench lint clean
+.PHONY: demo test test-gpu test-gpu-dense test-gpu-grad test-gpu-rest test-gpu-mosaic bench lint \
+	clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -46,6 +47,11 @@ test-gpu-grad:
 
 test-gpu-rest:
 	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS) $(GPU_GRAD_TESTS) tests/parallel) tests
+
+# The Hopper (Mosaic GPU) kernels' own files alone (also part of test-gpu-rest): a quick
+# check on another sm90 kind (H200).
+test-gpu-mosaic:
+	$(GPU_PYTEST) tests/test_mosaic.py tests/test_mosaic_backward.py
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run
