@@ -34,18 +34,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LOG2E, MASK_VALUE
-from pallas_kernels.mosaic.config import MosaicBackwardConfig
-from pallas_kernels.mosaic.forward import (
-    _clip,
-    _floor_div,
-    _max,
-    _min,
-    _plgpu,
-    block_range,
+from pallas_kernels.mosaic.common import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    PRODUCER_REGISTERS,
+    clip,
+    floor_div,
+    imin,
+    load_plgpu,
+    produce,
+    slot_of,
+    union,
     visible,
 )
+from pallas_kernels.mosaic.config import MosaicBackwardConfig
+from pallas_kernels.mosaic.forward import block_range
 
-_CONSUMERS = 2
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
 
 
@@ -56,14 +60,14 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:  # rows r >= key - offset see the key
-        lo = _clip(_floor_div(first_key - offset, block_q), 0, num_blocks)
-        full_lo = _clip(_floor_div(last_key - offset + block_q - 1, block_q), 0, num_blocks)
+        lo = clip(floor_div(first_key - offset, block_q), 0, num_blocks)
+        full_lo = clip(floor_div(last_key - offset + block_q - 1, block_q), 0, num_blocks)
     if window is not None:  # rows r <= key + window - 1 - offset see the key
-        hi = _clip(_floor_div(last_key + window - offset + block_q - 1, block_q), 0, num_blocks)
-        full_hi = _clip(_floor_div(first_key + window - offset, block_q), 0, num_blocks)
-    lo = _min(lo, hi)
-    full_lo = _clip(full_lo, lo, hi)
-    full_hi = _clip(full_hi, full_lo, hi)
+        hi = clip(floor_div(last_key + window - offset + block_q - 1, block_q), 0, num_blocks)
+        full_hi = clip(floor_div(first_key + window - offset, block_q), 0, num_blocks)
+    lo = imin(lo, hi)
+    full_lo = clip(full_lo, lo, hi)
+    full_hi = clip(full_hi, full_lo, hi)
     return lo, hi, full_lo, full_hi
 
 
@@ -71,7 +75,7 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap,
     """Base-2 logits of an S tile `[rows, keys]` (or S^T `[keys, rows]`: `transposed`) and
     the soft-cap's derivative factor `1 - tanh^2` (None without a cap). Masked: invisible
     entries at MASK_VALUE. rows_first / keys_first: positions of the tile's first row/key."""
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     t = None
     if soft_cap is None:
         s = qk * (scale * LOG2E)
@@ -91,7 +95,7 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap,
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, barriers, *,
                causal, window, soft_cap, scale, group, stages, block_kv):  # fmt: skip
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     q_smem2, do_smem2, row_smem2, k_smem, v_smem = smem
     in_barriers, k_loaded, v_loaded, k_consumed, v_consumed = barriers
     _, q_rows, _, head_dim = q_ref.shape
@@ -102,24 +106,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
     kvh = h // group
     tile = lax.axis_index("tiles")
     if causal:  # the last query tiles see the most keys: launch them first
-        tile = q_rows // (_CONSUMERS * _ROWS) - 1 - tile
+        tile = q_rows // (CONSUMERS * _ROWS) - 1 - tile
 
     def blocks_of(consumer):
-        first = tile * (_CONSUMERS * _ROWS) + consumer * _ROWS + offset
+        first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS + offset
         return block_range(first, first + _ROWS - 1, causal=causal, window=window,
                            num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
     lo0, hi0, _, _ = blocks_of(0)
     lo1, hi1, _, _ = blocks_of(1)
-    lo, hi = _union(lo0, hi0, lo1, hi1, num_blocks)
+    lo, hi = union(lo0, hi0, lo1, hi1)
 
-    def slot_of(step):
-        return step % stages if isinstance(step, int) else lax.rem(step, stages)
-
-    @pl.when(wg < _CONSUMERS)
+    @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
-        first_row = tile * (_CONSUMERS * _ROWS) + wg * _ROWS
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        first_row = tile * (CONSUMERS * _ROWS) + wg * _ROWS
         my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
         q_smem, do_smem, row_smem = q_smem2.at[wg], do_smem2.at[wg], row_smem2.at[wg]
         rows = (b, pl.ds(first_row, _ROWS), h)
@@ -136,13 +137,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         dq = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
         def pass_over(step, _):
-            slot = slot_of(step)
+            slot = slot_of(step, stages)
             for loaded, consumed in ((k_loaded, k_consumed), (v_loaded, v_consumed)):
                 plgpu.barrier_wait(loaded.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
         def step_body(step, dq, *, masked: bool):
-            slot = slot_of(step)
+            slot = slot_of(step, stages)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_wait(v_loaded.at[slot])
 
@@ -180,25 +181,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _CONSUMERS)
+    @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         sources = ((k_ref, k_smem, k_loaded, k_consumed), (v_ref, v_smem, v_loaded, v_consumed))
 
         def load(step, wait):
-            slot = slot_of(step)
+            slot = slot_of(step, stages)
             rows = (b, pl.ds(step * block_kv, block_kv), kvh)
             for src, dst, loaded, consumed in sources:
                 if wait:
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
-        _produce(lo, hi, stages, load)
+        produce(lo, hi, stages, load)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem,
                  barriers, *, causal, window, soft_cap, scale, group, stages, block_q):  # fmt: skip
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
     in_barriers, q_loaded, q_consumed = barriers
     _, q_rows, _, head_dim = q_ref.shape
@@ -209,22 +210,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     tile = lax.axis_index("tiles")
 
     def blocks_of(consumer):
-        first = tile * (_CONSUMERS * _ROWS) + consumer * _ROWS
+        first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
         return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
                                  offset=offset, num_blocks=num_blocks, block_q=block_q)  # fmt: skip
 
     lo0, hi0, _, _ = blocks_of(0)
     lo1, hi1, _, _ = blocks_of(1)
-    lo, hi = _union(lo0, hi0, lo1, hi1, num_blocks)
+    lo, hi = union(lo0, hi0, lo1, hi1)
     span = hi - lo  # ring steps per query head: head g's block j is step g * span + j - lo
 
-    def slot_of(step):
-        return step % stages if isinstance(step, int) else lax.rem(step, stages)
-
-    @pl.when(wg < _CONSUMERS)
+    @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
-        first_key = tile * (_CONSUMERS * _ROWS) + wg * _ROWS
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        first_key = tile * (CONSUMERS * _ROWS) + wg * _ROWS
         my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         keys = (b, pl.ds(first_key, _ROWS), kvh)
@@ -238,13 +236,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             base = g * span - lo  # ring step of block j of this head: base + j
 
             def pass_over(j, _):
-                slot = slot_of(base + j)
+                slot = slot_of(base + j, stages)
                 plgpu.barrier_wait(q_loaded.at[slot])
                 plgpu.barrier_arrive(q_consumed.at[slot])
 
             def step_body(j, carry, *, masked: bool):
                 dk, dv = carry
-                slot = slot_of(base + j)
+                slot = slot_of(base + j, stages)
                 plgpu.barrier_wait(q_loaded.at[slot])
                 col_layout = layout.reduce(0)
                 lse = plgpu.load(row_smem.at[slot, 0], (), layout=col_layout)
@@ -295,12 +293,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _CONSUMERS)
+    @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         def load(step, wait):
-            slot = slot_of(step)
+            slot = slot_of(step, stages)
             g = step // span if isinstance(step, int) else lax.div(step, span)
             j = lo + step - g * span
             h = kvh * group + g
@@ -313,28 +311,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], row_smem.at[slot, 0], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], row_smem.at[slot, 1], q_loaded.at[slot])
 
-        _produce(0, group * span, stages, load)
-
-
-def _union(lo0, hi0, lo1, hi1, num_blocks):
-    """The producer's range: both consumers' (an empty one adds nothing)."""
-    if all(isinstance(x, int) for x in (lo0, hi0, lo1, hi1)):
-        return min(lo0, lo1), max(hi0, hi1)
-    lo = jnp.where(hi0 > lo0, lo0, lo1)
-    lo = jnp.where(hi1 > lo1, jnp.minimum(lo, lo1), lo)
-    hi = _max(hi0, hi1)
-    return _min(lo, hi), hi
-
-
-def _produce(lo, hi, stages, load):
-    """Ring steps `[lo, hi)`: the first `stages` without waiting, the rest each once its
-    slot is consumed (`load(step, wait)`)."""
-    for i in range(stages):
-        pl.when(lo + i < hi)(functools.partial(load, lo + i, False))
-
-    @pl.loop(lo + stages, _max(hi, lo + stages))
-    def _(step):
-        load(step, True)
+        produce(0, group * span, stages, load)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
@@ -356,14 +333,14 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
     Returns:
       (dq, dk, dv) in the inputs' shapes and dtype.
     """
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     config = config or MosaicBackwardConfig.heuristic(causal or window is not None)
     batch, q_rows, num_q_heads, head_dim = q.shape
     kv_rows, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
     stages, dtype = config.num_stages, q.dtype
-    rows = _CONSUMERS * _ROWS
-    if q_rows % rows or kv_rows % rows or kv_rows % config.block_kv_dq:
+    rows = config.rows
+    if q_rows % rows or kv_rows % rows:
         raise ValueError(f"mosaic_backward: {q.shape=}, {k.shape=}: Tq, Tk multiples of {rows}")
     g_out = g_out.astype(dtype)
     delta = jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32), axis=-1)
@@ -375,7 +352,7 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     opts = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale, group=group,
                 stages=stages)  # fmt: skip
-    common = dict(num_threads=_CONSUMERS + 1, thread_name="wg",
+    common = dict(num_threads=CONSUMERS + 1, thread_name="wg",
                   compiler_params=plgpu.CompilerParams(approx_math=True))  # fmt: skip
 
     bk = config.block_kv_dq
@@ -384,18 +361,18 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=(
             (
-                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((_CONSUMERS, 2, _ROWS), jnp.float32),
+                plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((CONSUMERS, 2, _ROWS), jnp.float32),
                 plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
                 plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
             ),
             (
-                plgpu.Barrier(num_arrivals=4, num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             ),
         ),
         grid=(num_q_heads, q_rows // rows, batch),
@@ -409,16 +386,16 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
         out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         scratch_types=(
             (
-                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((_CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
                 plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),
                 plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),
                 plgpu.SMEM((stages, 2, bq), jnp.float32),
             ),
             (
-                plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),
+                plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
                 plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             ),
         ),
         grid=(num_kv_heads, kv_rows // rows, batch),

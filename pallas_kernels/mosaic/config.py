@@ -6,7 +6,7 @@ import dataclasses
 
 BACKENDS = ("auto", "triton", "mosaic")  # the values of the configs' `backend` fields
 _SMEM_BYTES = 227 * 1024  # shared memory a block may hold on sm90
-_COMPUTE_WARPGROUPS = 2
+CONSUMERS = 2  # compute warpgroups per block (plus one producer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class MosaicForwardConfig:
     @property
     def rows(self) -> int:
         """Query rows per block (both consumer warpgroups)."""
-        return _COMPUTE_WARPGROUPS * self.block_q
+        return CONSUMERS * self.block_q
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Shared memory of a block: the two Q/O tiles, the K and V ring, the lse rows."""
@@ -82,7 +82,7 @@ class MosaicBackwardConfig:
     @property
     def rows(self) -> int:
         """Query rows per dQ block, keys per dK/dV block (both consumer warpgroups)."""
-        return _COMPUTE_WARPGROUPS * 64
+        return CONSUMERS * 64
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Shared memory of the larger kernel's block: the rows it holds (Q and dO, or K

@@ -41,56 +41,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LN2, LOG2E, MASK_VALUE
+from pallas_kernels.mosaic.common import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    PRODUCER_REGISTERS,
+    clip,
+    floor_div,
+    imin,
+    load_plgpu,
+    produce,
+    slot_of,
+    union,
+    visible,
+)
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 
-_CONSUMERS = 2
 # The running maximum starts here, above the masked logits (MASK_VALUE): a masked key's
 # weight exp2(MASK_VALUE - m) is 0 even before the row has seen a key, so a row that
 # never sees one keeps O = 0 and l = 0 exactly (and its max is still NO_KEY at the end).
 _NO_KEY = 0.5 * MASK_VALUE
-_PRODUCER_REGISTERS = 40
-_CONSUMER_REGISTERS = 232
-
-
-def _plgpu():
-    """`jax.experimental.pallas.mosaic_gpu`, imported when a kernel is built."""
-    from jax.experimental.pallas import mosaic_gpu
-
-    return mosaic_gpu
-
-
-def _static(*xs) -> bool:
-    return all(isinstance(x, int) for x in xs)
-
-
-def _max(a, b):
-    """max that stays a Python int for Python ints: Mosaic GPU kernels take no array
-    constants, and jnp on two ints would make one."""
-    return max(a, b) if _static(a, b) else jnp.maximum(a, b)
-
-
-def _min(a, b):
-    return min(a, b) if _static(a, b) else jnp.minimum(a, b)
-
-
-def _clip(x, lo, hi):
-    return _min(_max(x, lo), hi)
-
-
-def _floor_div(a, b: int):
-    """floor(a / b) for a >= 0, and 0 for a < 0 (all the callers clip at 0 anyway)."""
-    return lax.div(jnp.maximum(a, 0), b)
-
-
-def visible(pos, key, *, causal: bool, window: int | None):
-    """Whether the query at position `pos` sees the key at `key` (arrays of one shape):
-    causal (key <= pos) and within the window (key > pos - window). At least one of
-    `causal` / `window` is set."""
-    seen = key <= pos if causal else None
-    if window is not None:
-        in_window = key > pos - window
-        seen = in_window if seen is None else seen & in_window
-    return seen
 
 
 def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
@@ -102,14 +71,14 @@ def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:
-        hi = _clip(_floor_div(last_pos + block_kv, block_kv), 0, num_blocks)  # cdiv(last + 1)
-        full_hi = _clip(_floor_div(first_pos + 1, block_kv), 0, num_blocks)
+        hi = clip(floor_div(last_pos + block_kv, block_kv), 0, num_blocks)  # cdiv(last + 1)
+        full_hi = clip(floor_div(first_pos + 1, block_kv), 0, num_blocks)
     if window is not None:
-        lo = _clip(_floor_div(first_pos - window + 1, block_kv), 0, num_blocks)
-        full_lo = _clip(_floor_div(last_pos - window + block_kv, block_kv), 0, num_blocks)
-    lo = _min(lo, hi)
-    full_lo = _clip(full_lo, lo, hi)
-    full_hi = _clip(full_hi, full_lo, hi)
+        lo = clip(floor_div(first_pos - window + 1, block_kv), 0, num_blocks)
+        full_lo = clip(floor_div(last_pos - window + block_kv, block_kv), 0, num_blocks)
+    lo = imin(lo, hi)
+    full_lo = clip(full_lo, lo, hi)
+    full_hi = clip(full_hi, full_lo, hi)
     return lo, hi, full_lo, full_hi
 
 
@@ -130,7 +99,7 @@ def _kernel(
     num_tiles: int,
     config: MosaicForwardConfig,
 ):
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
@@ -158,22 +127,16 @@ def _kernel(
 
     lo0, hi0, _, _ = blocks_of(0)
     lo1, hi1, _, _ = blocks_of(1)
-    # The producer loads the union of both consumers' blocks (rows grow with the
-    # consumer index, so do the ranges; an empty range adds nothing).
-    if _static(lo0, hi0, lo1, hi1):
-        lo, hi = 0, num_blocks
-    else:
-        lo = jnp.where(hi0 > lo0, lo0, lo1)
-        hi = _max(hi0, hi1)
-        lo = _min(lo, hi)
+    # The producer loads the union of both consumers' blocks.
+    lo, hi = union(lo0, hi0, lo1, hi1)
 
     def schedule_turn():  # FA3 section 3.2: consumers take turns on the tensor cores
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    @pl.when(wg < _CONSUMERS)
+    @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         first_row = rows_of(wg)
         my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
@@ -188,12 +151,9 @@ def _kernel(
         l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
 
-        def slot_of(step):
-            return step % stages if isinstance(step, int) else lax.rem(step, stages)
-
         def pass_over(step, _):
             """A block this consumer does not need: keep the barriers' phases in step."""
-            slot = slot_of(step)
+            slot = slot_of(step, stages)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_wait(v_loaded.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
@@ -231,7 +191,7 @@ def _kernel(
         def step_body(step, carry, *, masked: bool):
             """One key block: S = Q K^T, softmax, O += P V, the GEMMs in turn."""
             acc, m, l = carry
-            slot = slot_of(step)
+            slot = slot_of(step, stages)
 
             def qk_gemm(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -254,7 +214,7 @@ def _kernel(
 
                 @pl.when(nxt < my_hi)
                 def _():  # FA3 section 3.3 in small: wait for the next K under this GEMM
-                    plgpu.barrier_wait(k_loaded.at[slot_of(nxt)])
+                    plgpu.barrier_wait(k_loaded.at[slot_of(nxt, stages)])
 
             acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_consumed.at[slot])
@@ -265,7 +225,7 @@ def _kernel(
 
         @pl.when(my_lo < my_hi)
         def _():
-            plgpu.barrier_wait(k_loaded.at[slot_of(my_lo)])
+            plgpu.barrier_wait(k_loaded.at[slot_of(my_lo, stages)])
 
         masked = functools.partial(step_body, masked=True)
         unmasked = functools.partial(step_body, masked=False)
@@ -285,13 +245,14 @@ def _kernel(
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(first_row, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _CONSUMERS)
+    @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        def load(step, slot, wait: bool):
-            """K then V of block `step` into `slot`, each copy once its own slot is free
+        def load(step, wait: bool):
+            """K then V of block `step` into its slot, each copy once its own slot is free
             (`wait`): the next K can land while the consumers still read this V."""
+            slot = slot_of(step, stages)
             rows = (b, pl.ds(step * block_kv, block_kv), kvh)
             for src, dst, loaded, consumed in ((k_ref, k_smem, k_loaded, k_consumed),
                                                (v_ref, v_smem, v_loaded, v_consumed)):  # fmt: skip
@@ -299,14 +260,7 @@ def _kernel(
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
-        for i in range(stages):  # fill the ring
-            step = lo + i
-            slot = step % stages if isinstance(step, int) else lax.rem(step, stages)
-            pl.when(step < hi)(functools.partial(load, step, slot, False))
-
-        @pl.loop(lo + stages, _max(hi, lo + stages))
-        def _(step):
-            load(step, lax.rem(step, stages), True)
+        produce(lo, hi, stages, load)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
@@ -334,7 +288,7 @@ def mosaic_forward(
       out `[B, Tq, Hq, D]` in q's dtype and the natural log-sum-exp float32 `[B, Hq, Tq]`
       (-inf for rows that see no key, whose output is zeros).
     """
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     batch, q_rows, num_q_heads, head_dim = q.shape
     kv_rows, num_kv_heads = k.shape[1], k.shape[2]
     config = config or MosaicForwardConfig.heuristic(head_dim)
@@ -347,18 +301,18 @@ def mosaic_forward(
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = config.num_stages
     smem = (
-        plgpu.SMEM((_CONSUMERS, config.block_q, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((CONSUMERS, config.block_q, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=tiled),
-        plgpu.SMEM((_CONSUMERS, config.block_q), jnp.float32),
+        plgpu.SMEM((CONSUMERS, config.block_q), jnp.float32),
     )
     barriers = (
-        plgpu.Barrier(num_barriers=_CONSUMERS),  # Q tiles loaded
+        plgpu.Barrier(num_barriers=CONSUMERS),  # Q tiles loaded
         plgpu.Barrier(num_barriers=stages),  # K slot loaded
         plgpu.Barrier(num_barriers=stages),  # V slot loaded
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # K slot consumed
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # V slot consumed
-        plgpu.Barrier(num_arrivals=_CONSUMERS),  # the consumers' turns
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # K slot consumed
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # V slot consumed
+        plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
     )
     kernel = functools.partial(
         _kernel,
@@ -379,7 +333,7 @@ def mosaic_forward(
         scratch_types=(smem, barriers),
         grid=(num_q_heads, q_rows // config.rows, batch),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v)
