@@ -178,21 +178,24 @@ def _ring_backward(static: _Static, config):
     return on
 
 
-def forward_backend(static: _Static, config, q, k, lengths, extras, device=None):
-    """("mosaic", its tiling) or ("triton", None): the kernel that runs this forward
-    (`pallas_kernels.mosaic.select_forward`: the Hopper kernel on sm90 where it covers
-    the call, unless `config.backend` forces one)."""
-    tiling = select_forward(
-        config,
-        q.shape,
-        k.shape,
-        q.dtype,
-        device=device,
+def _hopper_options(static: _Static, lengths, extras) -> dict:
+    """The call's options that decide whether a Hopper kernel covers it
+    (`pallas_kernels.mosaic.support`)."""
+    return dict(
         packed=static.packed,
         lengths=any(x is not None for x in lengths),
         sink_tokens=static.sink_tokens,
         terms=any(x is not None for x in extras),
-        out_fp8=static.out_fp8,
+    )
+
+
+def forward_backend(static: _Static, config, q, k, lengths, extras, device=None):
+    """("mosaic", its tiling) or ("triton", None): the kernel that runs this forward
+    (`pallas_kernels.mosaic.select_forward`: the Hopper kernel on sm90 where it covers
+    the call, unless `config.backend` forces one)."""
+    options = _hopper_options(static, lengths, extras)
+    tiling = select_forward(
+        config, q.shape, k.shape, q.dtype, device=device, out_fp8=static.out_fp8, **options
     )
     return ("triton", None) if tiling is None else ("mosaic", tiling)
 
@@ -372,17 +375,9 @@ def _backward_local(
     The Hopper kernels where `select_backward` takes the call (they cover no bias terms:
     those gradients are None), else the Triton ones."""
     backward = None if config is None else config.backward
-    tiling = select_backward(
-        backward,
-        q.shape,
-        k.shape,
-        q.dtype,
-        masked=static.causal or static.window is not None,
-        packed=static.packed,
-        lengths=len_q is not None or len_k is not None,
-        sink_tokens=static.sink_tokens,
-        terms=any(x is not None for x in (alibi, bias, mask, rel_table)),
-    )
+    options = _hopper_options(static, (len_q, len_k), (alibi, bias, mask, rel_table))
+    masked = static.causal or static.window is not None
+    tiling = select_backward(backward, q.shape, k.shape, q.dtype, masked=masked, **options)
     if tiling is not None:
         dq, dk, dv = mosaic_backward(
             q, k, v, out, lse, g_out, g_lse, causal=static.causal, window=static.window,

@@ -10,6 +10,7 @@ from pallas_kernels.common import next_power_of_2
 from pallas_kernels.mosaic.config import BACKENDS, MosaicBackwardConfig
 
 _BLOCKS = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+_TRITON_FIELDS = (*_BLOCKS, "num_warps", "num_stages")  # None: the heuristic's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +61,7 @@ class FlashBackwardConfig:
     def resolve(self, q_len: int, kv_len: int, head_dim: int, dtype) -> FlashBackwardConfig:
         """This config with every Triton field left None taken from `heuristic` for the
         shape (a config built only to choose `backend` or `mosaic` tiles like the default)."""
-        unset = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
-        unset = [name for name in unset if name != "mosaic"]
+        unset = [name for name in _TRITON_FIELDS if getattr(self, name) is None]
         if not unset:
             return self
         tiles = FlashBackwardConfig.heuristic(q_len, kv_len, head_dim, dtype)

@@ -16,10 +16,8 @@ from pallas_kernels.common import use_interpret
 from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
 
 HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (
-    64,
-    128,
-)  # D256: Q and dO (or K and V) of a block and a ring overflow shared memory
+# D256 in the backward: a block's Q and dO (or K and V) and a ring overflow shared memory.
+BACKWARD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -77,8 +75,17 @@ def _select(config, tiling, device, unsupported, *args, **features):
     return None
 
 
-def _options_unsupported(dtype, *, packed, lengths, sink_tokens, terms, out_fp8) -> str | None:
-    """The options neither Hopper kernel covers (the first one found), or None."""
+def _options_unsupported(
+    dtype,
+    *,
+    packed: bool = False,
+    lengths: bool = False,
+    sink_tokens: int = 0,
+    terms: bool = False,
+    out_fp8: bool = False,
+) -> str | None:
+    """The options neither Hopper kernel covers (the first one found), or None.
+    `lengths`: q or kv lengths given; `terms`: a bias, mask, ALiBi or T5 table."""
     if packed:
         return "packed (cu_seqlens) batches"
     if lengths:
@@ -94,27 +101,14 @@ def _options_unsupported(dtype, *, packed, lengths, sink_tokens, terms, out_fp8)
     return None
 
 
-def forward_unsupported(
-    q_shape,
-    k_shape,
-    dtype,
-    *,
-    packed: bool = False,
-    lengths: bool = False,
-    sink_tokens: int = 0,
-    terms: bool = False,
-    out_fp8: bool = False,
-    config: MosaicForwardConfig,
-) -> str | None:
+def forward_unsupported(q_shape, k_shape, dtype, *, config: MosaicForwardConfig, **options):
     """None if `mosaic_forward` computes this call, else the first reason it cannot.
 
-    q_shape, k_shape: dense `[B, Tq, Hq, D]`, `[B, Tk, Hkv, D]` (or packed). `lengths`: q or
-    kv lengths given; `terms`: a bias, mask, ALiBi or T5 table; causal, window, soft-cap,
-    scale and GQA are always covered.
+    q_shape, k_shape: dense `[B, Tq, Hq, D]`, `[B, Tk, Hkv, D]` (or packed); options: the
+    call's `packed`, `lengths`, `sink_tokens`, `terms`, `out_fp8` (`_options_unsupported`).
+    Causal, window, soft-cap, scale and GQA are always covered.
     """
-    why = _options_unsupported(
-        dtype, packed=packed, lengths=lengths, sink_tokens=sink_tokens, terms=terms, out_fp8=out_fp8
-    )
+    why = _options_unsupported(dtype, **options)
     if why is not None:
         return why
     head_dim = q_shape[-1]
@@ -125,27 +119,13 @@ def forward_unsupported(
         return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
     if kv_rows % config.block_kv:
         return f"Tk={kv_rows} not a multiple of block_kv={config.block_kv}"
-    if not config.fits(head_dim, jnp.dtype(dtype).itemsize):
-        return f"{config} needs {config.smem_bytes(head_dim)} bytes of shared memory"
-    return None
+    return _smem_unsupported(config, head_dim, dtype)
 
 
-def backward_unsupported(
-    q_shape,
-    k_shape,
-    dtype,
-    *,
-    packed: bool = False,
-    lengths: bool = False,
-    sink_tokens: int = 0,
-    terms: bool = False,
-    config: MosaicBackwardConfig,
-) -> str | None:
+def backward_unsupported(q_shape, k_shape, dtype, *, config: MosaicBackwardConfig, **options):
     """None if `mosaic_backward` computes this gradient, else the first reason it cannot
     (the arguments as `forward_unsupported`'s)."""
-    why = _options_unsupported(
-        dtype, packed=packed, lengths=lengths, sink_tokens=sink_tokens, terms=terms, out_fp8=False
-    )
+    why = _options_unsupported(dtype, **options)
     if why is not None:
         return why
     head_dim = q_shape[-1]
@@ -154,6 +134,10 @@ def backward_unsupported(
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows or kv_rows % config.rows:  # (and so of block_kv_dq)
         return f"Tq={q_rows}, Tk={kv_rows} in the backward: multiples of {config.rows}"
-    if not config.fits(head_dim, jnp.dtype(dtype).itemsize):
-        return f"{config} needs {config.smem_bytes(head_dim)} bytes of shared memory"
-    return None
+    return _smem_unsupported(config, head_dim, dtype)
+
+
+def _smem_unsupported(config, head_dim: int, dtype) -> str | None:
+    if config.fits(head_dim, jnp.dtype(dtype).itemsize):
+        return None
+    return f"{config} needs {config.smem_bytes(head_dim)} bytes of shared memory"
