@@ -292,6 +292,21 @@ def describe_error(e: Exception) -> str:
     return f"{type(e).__name__}: {first_line[:160]}"
 
 
+def backend_label(config, triton: str, mosaic: str) -> str:
+    """The spec of the kernel(s) a config with a `backend` field runs, given each
+    backend's spec; "auto" names both candidates."""
+    return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")
+
+
+def with_backend(config, tiling):
+    """`config` with the backend a `select_forward` / `select_backward` picked spelled out:
+    "mosaic" and its tiling, or "triton" where it picked none (the same kernels run as
+    with "auto"; the row's label names them)."""
+    if tiling is None:
+        return dataclasses.replace(config, backend="triton")
+    return dataclasses.replace(config, backend="mosaic", mosaic=tiling)
+
+
 def join_notes(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 

@@ -28,11 +28,13 @@ from bench.common import (
     SetResult,
     Settings,
     Sweep,
+    backend_label,
     bench_impl,
     bench_ours,
     join_notes,
     num_input_sets,
     progress,
+    with_backend,
 )
 
 # Triton: block_q x block_kv x num_warps x num_stages; Hopper: "mosaic:" block_q (per
@@ -211,23 +213,19 @@ def config_label(config) -> str:
     tiling = config.mosaic
     mosaic = "mosaic" if tiling is None else (
         f"mosaic:{tiling.block_q}x{tiling.block_kv}x{tiling.num_stages}")  # fmt: skip
-    return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")
+    return backend_label(config, triton, mosaic)
 
 
 def heuristic_config(seq_len: int, heads: Heads, causal: bool):
     """The heuristic config of a dense row of one sequence length, with the backend that
-    `backend="auto"` picks on this device spelled out (the same kernel runs; the row's
-    label names it)."""
+    `backend="auto"` picks on this device spelled out (`with_backend`)."""
     from jaxattn import FlashPrefillConfig
     from pallas_kernels.mosaic import select_forward
 
     config = FlashPrefillConfig.heuristic(seq_len, seq_len, heads.head_dim, heads.dtype, causal)
     q_shape = (1, seq_len, heads.num_q_heads, heads.head_dim)
     k_shape = (1, seq_len, heads.num_kv_heads, heads.head_dim)
-    tiling = select_forward(config, q_shape, k_shape, heads.dtype)
-    if tiling is None:
-        return dataclasses.replace(config, backend="triton")
-    return dataclasses.replace(config, backend="mosaic", mosaic=tiling)
+    return with_backend(config, select_forward(config, q_shape, k_shape, heads.dtype))
 
 
 SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)

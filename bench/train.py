@@ -60,6 +60,7 @@ from bench.common import (
     SetResult,
     Settings,
     Sweep,
+    backend_label,
     bench_row,
     carried_measure,
     describe_error,
@@ -70,6 +71,7 @@ from bench.common import (
     ours_entries,
     progress,
     timed_row,
+    with_backend,
 )
 from bench.prefill import (
     FULL_HEADS,
@@ -232,12 +234,12 @@ def backward_config_label(config) -> str:
         )
     tiling = config.mosaic
     mosaic = "mosaic" if tiling is None else f"mosaic:{tiling.block_kv_dq}x{tiling.num_stages}"
-    return {"triton": triton, "mosaic": mosaic}.get(config.backend, f"auto {mosaic} | {triton}")
+    return backend_label(config, triton, mosaic)
 
 
 def heuristic_backward(shape: Dense, heads: Heads):
     """The heuristic backward config of a row, with the backend that "auto" picks on this
-    device spelled out (the same kernels run; the row's label names them)."""
+    device spelled out (`with_backend`)."""
     from jaxattn import FlashBackwardConfig
     from pallas_kernels.mosaic import select_backward
 
@@ -246,10 +248,9 @@ def heuristic_backward(shape: Dense, heads: Heads):
     )
     q_shape = (shape.batch, shape.seq_len, heads.num_q_heads, heads.head_dim)
     k_shape = (shape.batch, shape.seq_len, heads.num_kv_heads, heads.head_dim)
-    tiling = select_backward(config, q_shape, k_shape, heads.dtype, masked=shape.causal)
-    if tiling is None:
-        return dataclasses.replace(config, backend="triton")
-    return dataclasses.replace(config, backend="mosaic", mosaic=tiling)
+    return with_backend(
+        config, select_backward(config, q_shape, k_shape, heads.dtype, masked=shape.causal)
+    )
 
 
 SWEEP = Sweep(parse=parse_backward_config, label=backward_config_label, default=DEFAULT_SWEEP)
