@@ -93,6 +93,29 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap,
     return s, None if t is None else 1.0 - t * t
 
 
+def _dscores(p, dp, delta, cap_grad, *, row_axis: int, dtype):
+    """dS = P (dP - delta) of a tile, times the soft-cap's derivative (`cap_grad`, or None),
+    in the GEMMs' dtype. `row_axis`: the tile's query-row axis (0 for S, 1 for S^T), which
+    delta (one value per row) runs along."""
+    ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
+    if cap_grad is not None:
+        ds = ds * cap_grad
+    return ds.astype(dtype)
+
+
+def _walk(bounds, step_body, pass_over, carry):
+    """A consumer's pass over the producer's ring steps `[lo, hi)`: those outside its own
+    `[my_lo, my_hi)` passed over (`pass_over(step, None)`), the rest through
+    `step_body(step, carry, masked=...)`, unmasked only in `[full_lo, full_hi)`."""
+    lo, my_lo, full_lo, full_hi, my_hi, hi = bounds
+    lax.fori_loop(lo, my_lo, pass_over, None)
+    carry = lax.fori_loop(my_lo, full_lo, functools.partial(step_body, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step_body, masked=False), carry)
+    carry = lax.fori_loop(full_hi, my_hi, functools.partial(step_body, masked=True), carry)
+    lax.fori_loop(my_hi, hi, pass_over, None)
+    return carry
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, barriers, *,
                causal, window, soft_cap, scale, group, stages, block_kv):  # fmt: skip
     plgpu = load_plgpu()
@@ -159,10 +182,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
                                   transposed=False, causal=causal, window=window,
                                   soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
-            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-            if cap_grad is not None:
-                ds = ds * cap_grad
-            ds16 = ds.astype(dtype)
+            ds16 = _dscores(p, dp, delta, cap_grad, row_axis=0, dtype=dtype)
 
             def dq_gemm(acc_ref):
                 plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])
@@ -171,11 +191,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
             plgpu.barrier_arrive(k_consumed.at[slot])
             return dq
 
-        lax.fori_loop(lo, my_lo, pass_over, None)
-        dq = lax.fori_loop(my_lo, full_lo, functools.partial(step_body, masked=True), dq)
-        dq = lax.fori_loop(full_lo, full_hi, functools.partial(step_body, masked=False), dq)
-        dq = lax.fori_loop(full_hi, my_hi, functools.partial(step_body, masked=True), dq)
-        lax.fori_loop(my_hi, hi, pass_over, None)
+        dq = _walk((lo, my_lo, full_lo, full_hi, my_hi, hi), step_body, pass_over, dq)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -265,10 +281,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
                 st_zeros = plgpu.layout_cast(jnp.zeros((_ROWS, block_q), jnp.float32), layout)
                 dv, dp = pl.run_state(dv_dp_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(st_zeros)))
-                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
-                if cap_grad is not None:
-                    ds = ds * cap_grad
-                ds16 = ds.astype(dtype)
+                ds16 = _dscores(p, dp, delta, cap_grad, row_axis=1, dtype=dtype)
 
                 def dk_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, ds16, q_smem.at[slot])
@@ -277,13 +290,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                 plgpu.barrier_arrive(q_consumed.at[slot])
                 return dk, dv
 
-            lax.fori_loop(lo, my_lo, pass_over, None)
-            carry = lax.fori_loop(my_lo, full_lo, functools.partial(step_body, masked=True), carry)
-            carry = lax.fori_loop(full_lo, full_hi, functools.partial(step_body, masked=False),
-                                  carry)  # fmt: skip
-            carry = lax.fori_loop(full_hi, my_hi, functools.partial(step_body, masked=True), carry)
-            lax.fori_loop(my_hi, hi, pass_over, None)
-            return carry
+            bounds = (lo, my_lo, full_lo, full_hi, my_hi, hi)
+            return _walk(bounds, step_body, pass_over, carry)
 
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
         k_smem[...] = (dk * scale).astype(dtype)
