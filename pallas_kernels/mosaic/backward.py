@@ -14,10 +14,11 @@ do not need (waiting and arriving, so barrier phases stay in step).
   P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q. The group's
   sum stays in registers: no per-query-head dK/dV in HBM.
 
-The two kernels compute S and dP twice (7 GEMMs where a fused dQ needs 5). A dK/dV kernel
-also reduce-adding dS K into a float32 dQ by TMA was tried (2026-11-25, H100): correct,
-but 1.7x slower than the two kernels (20.7 against 12.2 ms at B1 S16384 causal, GQA 32/8
-D128), with three 64x128 float32 accumulators live per consumer.
+The two kernels compute S and dP twice (7 GEMMs where a fused dQ needs 5). Tried on the
+H100 and slower (`bench/RESULTS.md`, probe of 2026-11-25 19:40 UTC; GQA 32/8 D128): a
+dK/dV kernel reduce-adding each consumer's full dS K into a float32 dQ by TMA (1.7x), one
+where the two consumers swap dS^T through shared memory and each reduce-adds half of dQ's
+columns (1.3-1.5x), and this dK/dV kernel issuing S^T with dP^T and dV with dK (6-10%).
 
 Inputs come preprocessed (`mosaic_backward`): the base-2 lse (+inf for rows that see no
 key, so their P is 0) and delta = rowsum(dO * O) - d(lse) (the lse cotangent enters as
