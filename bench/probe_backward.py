@@ -10,6 +10,8 @@ that process's timeout, not the whole device call) and prints one line, also app
 Specs, then ":" and a shape index into SHAPES (bf16, GQA 32/8, D128):
 - `ours`: `jax.grad` of `sum(out * g)` through `jaxattn.attention` (the automatic kernels);
 - `ours-triton`: the same with the Triton forward and backward forced;
+- `ours-lengths`: `ours` with q_lengths = kv_lengths = S for every sequence (what lengths
+  cost: the padding passes and the masked last blocks, on the same work);
 - `cudnn`: the same through `jax.nn.dot_product_attention(implementation="cudnn")`;
 - `bwd-mosaic:<block_kv_dq>x<stages>`: `mosaic_backward` alone on `mosaic_forward`'s
   residuals (TFLOP/s at 2.5x the forward's FLOPs).
@@ -70,13 +72,17 @@ def time_variant(variant: str, shape_index: int) -> dict:
     scale = d**-0.5
     sets = _inputs(batch, seq_len)
     factor = 3.5
-    if variant in ("ours", "ours-triton"):
-        config = None
+    if variant in ("ours", "ours-triton", "ours-lengths"):
+        config, lengths = None, {}
         if variant == "ours-triton":
             backward = jaxattn.FlashBackwardConfig(backend="triton")
             config = jaxattn.FlashPrefillConfig(backend="triton", backward=backward)
+        if variant == "ours-lengths":
+            full = jax.numpy.full((batch,), seq_len, jax.numpy.int32)
+            lengths = dict(q_lengths=full, kv_lengths=full)
         fn = _grad_fn(functools.partial(jaxattn.attention, causal=causal, scale=scale,
-                                        config=config, implementation="pallas"))  # fmt: skip
+                                        config=config, implementation="pallas",
+                                        **lengths))  # fmt: skip
     elif variant == "cudnn":
         fn = _grad_fn(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                         scale=scale, implementation="cudnn"))  # fmt: skip

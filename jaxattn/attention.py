@@ -178,22 +178,21 @@ def _ring_backward(static: _Static, config):
     return on
 
 
-def _hopper_options(static: _Static, lengths, extras) -> dict:
+def _hopper_options(static: _Static, extras) -> dict:
     """The call's options that decide whether a Hopper kernel covers it
-    (`pallas_kernels.mosaic.support`)."""
+    (`pallas_kernels.mosaic.support`; both cover q/kv lengths)."""
     return dict(
         packed=static.packed,
-        lengths=any(x is not None for x in lengths),
         sink_tokens=static.sink_tokens,
         terms=any(x is not None for x in extras),
     )
 
 
-def forward_backend(static: _Static, config, q, k, lengths, extras, device=None):
+def forward_backend(static: _Static, config, q, k, extras, device=None):
     """("mosaic", its tiling) or ("triton", None): the kernel that runs this forward
     (`pallas_kernels.mosaic.select_forward`: the Hopper kernel on sm90 where it covers
     the call, unless `config.backend` forces one)."""
-    options = _hopper_options(static, lengths, extras)
+    options = _hopper_options(static, extras)
     tiling = select_forward(
         config, q.shape, k.shape, q.dtype, device=device, out_fp8=static.out_fp8, **options
     )
@@ -206,11 +205,11 @@ def _pallas_local(
     if static.out_fp8:
         validation.check_fp8_kernel_output()
     lengths = (len_q, len_k)
-    backend, tiling = forward_backend(static, config, q, k, lengths, (alibi, bias, mask, rel_table))
+    backend, tiling = forward_backend(static, config, q, k, (alibi, bias, mask, rel_table))
     if backend == "mosaic":
         out, lse = mosaic_forward(
-            q, k, v, causal=static.causal, window=static.window, soft_cap=static.soft_cap,
-            scale=static.scale, config=tiling,
+            q, k, v, *lengths, causal=static.causal, window=static.window,
+            soft_cap=static.soft_cap, scale=static.scale, config=tiling,
         )  # fmt: skip
         return out, (lse if static.return_lse else None)
     params = _params(static)
@@ -375,13 +374,13 @@ def _backward_local(
     The Hopper kernels where `select_backward` takes the call (they cover no bias terms:
     those gradients are None), else the Triton ones."""
     backward = None if config is None else config.backward
-    options = _hopper_options(static, (len_q, len_k), (alibi, bias, mask, rel_table))
+    options = _hopper_options(static, (alibi, bias, mask, rel_table))
     masked = static.causal or static.window is not None
     tiling = select_backward(backward, q.shape, k.shape, q.dtype, masked=masked, **options)
     if tiling is not None:
         dq, dk, dv = mosaic_backward(
-            q, k, v, out, lse, g_out, g_lse, causal=static.causal, window=static.window,
-            soft_cap=static.soft_cap, scale=static.scale, config=tiling,
+            q, k, v, out, lse, g_out, g_lse, len_q, len_k, causal=static.causal,
+            window=static.window, soft_cap=static.soft_cap, scale=static.scale, config=tiling,
         )  # fmt: skip
         return dq, dk, dv, None, None, None
     backward = (backward or FlashBackwardConfig()).resolve(
@@ -561,8 +560,8 @@ def attention(
         NotImplementedError falls through to the next), or None (pallas on GPU, else xla).
       config: a `FlashPrefillConfig` for the pallas kernels; None picks a heuristic. Its
         `backend` says which forward runs: "auto" (the Hopper kernel on sm90 when it
-        covers the call: bf16/fp16, head_dim 64/128/256, no lengths, sinks or
-        bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
+        covers the call: bf16/fp16, head_dim 64/128/256, lengths or none, no sinks
+        or bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
         "triton", or "mosaic" (NotImplementedError, with the reason, where it cannot).
         `config.backward.backend` says the same of the gradient's kernels (the Hopper
         ones: the forward's coverage at head_dim 64/128, Tq and Tk multiples of 128).

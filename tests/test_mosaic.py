@@ -56,11 +56,10 @@ def _static(**kw) -> _Static:
 
 
 def _backend(static=None, config=None, q_shape=(2, 512, 8, 128), k_shape=(2, 512, 2, 128),
-             dtype=jnp.bfloat16, lengths=(None, None), extras=(None,) * 4,
-             device=HOPPER):  # fmt: skip
+             dtype=jnp.bfloat16, extras=(None,) * 4, device=HOPPER):  # fmt: skip
     q = jax.ShapeDtypeStruct(q_shape, dtype)
     k = jax.ShapeDtypeStruct(k_shape, dtype)
-    return forward_backend(static or _static(), config, q, k, lengths, extras, device)[0]
+    return forward_backend(static or _static(), config, q, k, extras, device)[0]
 
 
 # ------------------------------------------------------------------ selection (CPU)
@@ -78,7 +77,6 @@ def test_auto_takes_mosaic_on_hopper_only():
     "change, reason",
     [
         (dict(static=_static(packed=True)), "packed"),
-        (dict(lengths=(jnp.ones(2), None)), "lengths"),
         (dict(static=_static(sink_tokens=4, window=64)), "sink"),
         (dict(extras=(jnp.ones(8), None, None, None)), "ALiBi"),
         (dict(static=_static(out_fp8=True)), "FP8"),
@@ -140,7 +138,7 @@ def test_config_validation():
             MosaicForwardConfig(**bad)
     huge = MosaicForwardConfig(block_kv=128, num_stages=4)
     assert "shared memory" in forward_unsupported(
-        (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False, lengths=False,
+        (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False,
         sink_tokens=0, terms=False, out_fp8=False, config=huge,
     )  # fmt: skip
 
@@ -165,23 +163,31 @@ def assert_range_matches(bounds, any_seen, all_seen, where: str):
         assert full_lo <= inner[0] and full_hi >= inner[-1] + 1, where
 
 
-@pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (True, 300)])
-def test_block_range_matches_visibility(causal, window):
+@pytest.mark.parametrize(
+    "causal, window", [(True, None), (False, 37), (True, 37), (True, 300), (False, None)]
+)
+@pytest.mark.parametrize("kv_len", [None, 100, 150])
+def test_block_range_matches_visibility(causal, window, kv_len):
     """Every block holding a visible key is in [lo, hi); blocks in [full_lo, full_hi) are
-    fully visible to every row; [lo, hi) is the tightest range."""
+    fully visible to every row; [lo, hi) is the tightest range. With lengths keys at or
+    past kv_len are padding, and a consumer may hold no real row (last < first)."""
+    if kv_len is None and not causal and window is None:
+        pytest.skip("no mask: every block, nothing to check")
     block, num_blocks = 16, 12
     keys = np.arange(block * num_blocks)
     for first in range(-40, block * num_blocks + 8, 5):
-        for rows in (1, 16, 64):
+        for rows in (1, 16, 64) if kv_len is None else (0, 1, 16, 64):
             pos = np.arange(first, first + rows)[:, None]
             visible = np.ones((rows, keys.size), bool)
             if causal:
                 visible &= keys[None, :] <= pos
             if window is not None:
                 visible &= keys[None, :] > pos - window
+            if kv_len is not None:
+                visible &= keys[None, :] < kv_len
             per_block = visible.reshape(rows, num_blocks, block)
             any_seen = np.flatnonzero(per_block.any(axis=(0, 2)))
-            all_seen = per_block.all(axis=(0, 2))
+            all_seen = per_block.all(axis=(0, 2)) & (rows > 0)
             lo, hi, full_lo, full_hi = (
                 int(x)
                 for x in block_range(
@@ -191,6 +197,7 @@ def test_block_range_matches_visibility(causal, window):
                     window=window,
                     num_blocks=num_blocks,
                     block_kv=block,
+                    kv_len=None if kv_len is None else jnp.int32(kv_len),
                 )  # fmt: skip
             )
             where = f"rows {first}..{first + rows - 1}"
@@ -276,7 +283,7 @@ def test_attention_selects_mosaic_and_differentiates():
     static = _static(causal=True, window=None)
     q_shape, k_shape = (2, 512, 8, 128), (2, 512, 2, 128)
     q_s, k_s = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (q_shape, k_shape))
-    assert forward_backend(static, None, q_s, k_s, (None, None), (None,) * 4)[0] == "mosaic"
+    assert forward_backend(static, None, q_s, k_s, (None,) * 4)[0] == "mosaic"
     rng = util.rng_for("mosaic grad")
     q = util.randn(rng, q_shape, "bfloat16")
     k, v = (util.randn(rng, k_shape, "bfloat16") for _ in range(2))

@@ -65,7 +65,6 @@ def test_auto_takes_mosaic_on_hopper_only():
     "change, reason",
     [
         (dict(packed=True), "packed"),
-        (dict(lengths=True), "lengths"),
         (dict(sink_tokens=4), "sink"),
         (dict(terms=True), "ALiBi"),
         (dict(dtype=jnp.float32), "float32"),
@@ -111,11 +110,12 @@ def test_config_validation():
 
 
 @pytest.mark.parametrize("selected", [True, False])
-@pytest.mark.parametrize("with_lse", [False, True])
-def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected, with_lse):
+@pytest.mark.parametrize("with_lse, with_lengths", [(False, False), (True, False), (False, True)])
+def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected, with_lse,
+                                                       with_lengths):  # fmt: skip
     """On any device: `jaxattn.attention`'s gradient runs `mosaic_backward` (with the
-    call's options, the lse cotangent where the loss uses the lse, and the selected
-    tiling) exactly when `select_backward` takes it."""
+    call's options and lengths, the lse cotangent where the loss uses the lse, and the
+    selected tiling) exactly when `select_backward` takes it."""
     tiling = MosaicBackwardConfig(block_kv_dq=128)
     seen = {}
 
@@ -123,27 +123,33 @@ def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected, wi
         seen["select"] = dict(masked=masked, **features)
         return tiling if selected else None
 
-    def fake_backward(q, k, v, out, lse, g_out, g_lse, **kw):
+    def fake_backward(q, k, v, out, lse, g_out, g_lse, q_lengths, kv_lengths, **kw):
         seen["backward"] = kw
         seen["g_lse"] = None if g_lse is None else np.asarray(g_lse)
+        seen["lengths"] = [None if x is None else np.asarray(x) for x in (q_lengths, kv_lengths)]
         return tuple(jnp.full_like(x, 7) for x in (q, k, v))
 
     monkeypatch.setattr(attention_module, "select_backward", fake_select)
     monkeypatch.setattr(attention_module, "mosaic_backward", fake_backward)
     rng = util.rng_for("backward wiring", selected, with_lse)
     q, k, v = (util.randn(rng, (1, 128, 2, 32)) for _ in range(3))
+    lengths = dict(q_lengths=jnp.array([100]), kv_lengths=jnp.array([120])) if with_lengths else {}
 
     def loss(q, k, v):
         out, lse = jaxattn.attention(q, k, v, causal=True, window=40, soft_cap=20.0, scale=0.3,
-                                     return_lse=True, implementation="pallas")  # fmt: skip
+                                     return_lse=True, implementation="pallas",
+                                     **lengths)  # fmt: skip
         return jnp.sum(out) + (3.0 * jnp.sum(lse) if with_lse else 0.0)
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    assert seen["select"] == dict(masked=True, packed=False, lengths=False, sink_tokens=0,
-                                  terms=False)  # fmt: skip
+    assert seen["select"] == dict(masked=True, packed=False, sink_tokens=0, terms=False)
     if selected:
         assert seen["backward"] == dict(causal=True, window=40, soft_cap=20.0, scale=0.3,
                                         config=tiling)  # fmt: skip
+        if with_lengths:
+            assert [x.tolist() for x in seen["lengths"]] == [[100], [120]]
+        else:
+            assert seen["lengths"] == [None, None]
         if with_lse:
             assert seen["g_lse"].shape == (1, 2, 128) and (seen["g_lse"] == 3.0).all()
         else:
@@ -190,10 +196,18 @@ def test_ring_block_gradient_calls_the_selected_kernels(monkeypatch, selected):
 
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (True, 300)])
-@pytest.mark.parametrize("offset", [0, 24, -40])
-def test_query_block_range_matches_visibility(causal, window, offset):
+@pytest.mark.parametrize(
+    "offset, lengths", [(0, None), (24, None), (-40, None), (None, (100, 124)), (None, (150, 97))]
+)
+def test_query_block_range_matches_visibility(causal, window, offset, lengths):
+    """As the forward's key-block ranges (`test_mosaic.py`), for the dK/dV kernel's query
+    blocks; with lengths (q_len, kv_len) rows past q_len and keys past kv_len see
+    nothing, and row r sits at position r + kv_len - q_len."""
     block, num_blocks = 16, 10
     rows = np.arange(block * num_blocks)
+    q_len, kv_len = lengths or (None, None)
+    if lengths:
+        offset = kv_len - q_len
     pos = rows[:, None] + offset
     for first in range(0, block * num_blocks + 40, 3):
         for count in (1, 16, 64):
@@ -203,9 +217,12 @@ def test_query_block_range_matches_visibility(causal, window, offset):
                 visible &= keys <= pos
             if window is not None:
                 visible &= keys > pos - window
+            if lengths:
+                visible &= (rows[:, None] < q_len) & (keys < kv_len)
             per_block = visible.reshape(num_blocks, block, count)
             any_seen = np.flatnonzero(per_block.any(axis=(1, 2)))
             all_seen = per_block.all(axis=(1, 2))
+            extra = dict(q_len=jnp.int32(q_len), kv_len=jnp.int32(kv_len)) if lengths else {}
             lo, hi, full_lo, full_hi = (
                 int(x)
                 for x in query_block_range(
@@ -213,9 +230,10 @@ def test_query_block_range_matches_visibility(causal, window, offset):
                     jnp.int32(first + count - 1),
                     causal=causal,
                     window=window,
-                    offset=offset,
+                    offset=jnp.int32(offset),
                     num_blocks=num_blocks,
                     block_q=block,
+                    **extra,
                 )  # fmt: skip
             )
             where = f"keys {first}..{first + count - 1}"

@@ -42,11 +42,15 @@ from pallas_kernels.mosaic.common import (
     clip,
     floor_div,
     imin,
+    lengths_of,
     load_plgpu,
     produce,
+    sequence_lengths,
     slot_of,
     union,
     visible,
+    within,
+    zero_padding,
 )
 from pallas_kernels.mosaic.config import MosaicBackwardConfig
 from pallas_kernels.mosaic.forward import block_range
@@ -54,10 +58,13 @@ from pallas_kernels.mosaic.forward import block_range
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
 
 
-def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q):
+def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q,
+                      q_len=None, kv_len=None):  # fmt: skip
     """(lo, hi, full_lo, full_hi): the query blocks `[lo, hi)` with a row that sees some
     key of `first_key..last_key` (row r sits at position r + offset), and the blocks
-    `[full_lo, full_hi)` whose every row sees every one of those keys."""
+    `[full_lo, full_hi)` whose every row sees every one of those keys. With lengths
+    (`q_len`, `kv_len`: the sequence's counts), rows at or past q_len and keys at or past
+    kv_len see nothing."""
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:  # rows r >= key - offset see the key
@@ -66,16 +73,23 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
     if window is not None:  # rows r <= key + window - 1 - offset see the key
         hi = clip(floor_div(last_key + window - offset + block_q - 1, block_q), 0, num_blocks)
         full_hi = clip(floor_div(first_key + window - offset, block_q), 0, num_blocks)
+    if kv_len is not None:
+        hi = imin(hi, floor_div(q_len + block_q - 1, block_q))  # cdiv(q_len)
+        full_hi = imin(full_hi, floor_div(q_len, block_q))
+        hi = jnp.where(first_key < kv_len, hi, 0)  # keys all padding: no block
+        full_hi = jnp.where(last_key < kv_len, full_hi, 0)  # some padding: all masked
     lo = imin(lo, hi)
     full_lo = clip(full_lo, lo, hi)
     full_hi = clip(full_hi, full_lo, hi)
     return lo, hi, full_lo, full_hi
 
 
-def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap, scale, masked):
+def _logits(qk, *, rows_first, keys_first, transposed, causal, window, kv_len, soft_cap, scale,
+            masked):  # fmt: skip
     """Base-2 logits of an S tile `[rows, keys]` (or S^T `[keys, rows]`: `transposed`) and
     the soft-cap's derivative factor `1 - tanh^2` (None without a cap). Masked: invisible
-    entries at MASK_VALUE. rows_first / keys_first: positions of the tile's first row/key."""
+    entries at MASK_VALUE. rows_first / keys_first: positions of the tile's first row/key;
+    kv_len: with lengths, the sequence's key count (else None)."""
     plgpu = load_plgpu()
     t = None
     if soft_cap is None:
@@ -83,14 +97,15 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, soft_cap,
     else:
         t = jnp.tanh(qk * (scale / soft_cap))
         s = (soft_cap * LOG2E) * t
-    if masked and (causal or window is not None):
+    if masked and (causal or window is not None or kv_len is not None):
         layout = plgpu.Layout.WGMMA
         a = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=layout)
         c = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=layout)
         pos, key = (
             (c + rows_first, a + keys_first) if transposed else (a + rows_first, c + keys_first)
         )
-        s = jnp.where(visible(pos, key, causal=causal, window=window), s, MASK_VALUE)
+        seen = visible(pos, key, causal=causal, window=window, kv_len=kv_len)
+        s = jnp.where(seen, s, MASK_VALUE)
     return s, None if t is None else 1.0 - t * t
 
 
@@ -117,25 +132,40 @@ def _walk(bounds, step_body, pass_over, carry):
     return carry
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, barriers, *,
-               causal, window, soft_cap, scale, group, stages, block_kv):  # fmt: skip
+def _unpack(refs, has_lengths: bool, num_inputs: int = 6):
+    """(inputs, lengths_ref or None, the rest): a kernel's refs, lengths after the inputs."""
+    if not has_lengths:
+        return refs[:num_inputs], None, refs[num_inputs:]
+    return refs[:num_inputs], refs[num_inputs], refs[num_inputs + 1 :]
+
+
+def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stages, block_kv):
+    # q, do [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse (base 2), delta [B, Hq, Tq] float32;
+    # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D].
+    inputs, lengths_ref, rest = _unpack(refs, has_lengths)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    dq_ref, smem, barriers = rest
     plgpu = load_plgpu()
     q_smem2, do_smem2, row_smem2, k_smem, v_smem = smem
     in_barriers, k_loaded, v_loaded, k_consumed, v_consumed = barriers
     _, q_rows, _, head_dim = q_ref.shape
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
-    num_blocks, offset = kv_rows // block_kv, kv_rows - q_rows
+    num_blocks = kv_rows // block_kv
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    q_len, kv_len = lengths_of(lengths_ref, b, q_rows, kv_rows)
+    offset = kv_len - q_len  # query row r sits at position r + offset
+    kv_limit = kv_len if has_lengths else None
     kvh = h // group
     tile = lax.axis_index("tiles")
     if causal:  # the last query tiles see the most keys: launch them first
         tile = q_rows // (CONSUMERS * _ROWS) - 1 - tile
 
     def blocks_of(consumer):
-        first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS + offset
-        return block_range(first, first + _ROWS - 1, causal=causal, window=window,
-                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
+        first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
+        last = imin(first + _ROWS, q_len) - 1  # its last real row
+        return block_range(first + offset, last + offset, causal=causal, window=window,
+                           num_blocks=num_blocks, block_kv=block_kv, kv_len=kv_limit)  # fmt: skip
 
     lo0, hi0, _, _ = blocks_of(0)
     lo1, hi1, _, _ = blocks_of(1)
@@ -145,7 +175,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         first_row = tile * (CONSUMERS * _ROWS) + wg * _ROWS
-        my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
+        my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         q_smem, do_smem, row_smem = q_smem2.at[wg], do_smem2.at[wg], row_smem2.at[wg]
         rows = (b, pl.ds(first_row, _ROWS), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, in_barriers.at[wg])
@@ -181,7 +211,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
             plgpu.barrier_arrive(v_consumed.at[slot])
             s, cap_grad = _logits(qk, rows_first=first_row + offset, keys_first=step * block_kv,
                                   transposed=False, causal=causal, window=window,
-                                  soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
+                                  kv_len=kv_limit, soft_cap=soft_cap, scale=scale,
+                                  masked=masked)  # fmt: skip
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             ds16 = _dscores(p, dp, delta, cap_grad, row_axis=0, dtype=dtype)
 
@@ -214,22 +245,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         produce(lo, hi, stages, load)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem,
-                 barriers, *, causal, window, soft_cap, scale, group, stages, block_q):  # fmt: skip
+def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stages, block_q):
+    # The dQ kernel's inputs (and lengths); dk, dv [B, Tk, Hkv, D].
+    inputs, lengths_ref, rest = _unpack(refs, has_lengths)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    dk_ref, dv_ref, smem, barriers = rest
     plgpu = load_plgpu()
     k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
     in_barriers, q_loaded, q_consumed = barriers
     _, q_rows, _, head_dim = q_ref.shape
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
-    num_blocks, offset = q_rows // block_q, kv_rows - q_rows
+    num_blocks = q_rows // block_q
     b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    q_len, kv_len = lengths_of(lengths_ref, b, q_rows, kv_rows)
+    offset = kv_len - q_len  # query row r sits at position r + offset
+    kv_limit = kv_len if has_lengths else None
     tile = lax.axis_index("tiles")
 
     def blocks_of(consumer):
         first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
+        lengths = dict(q_len=q_len, kv_len=kv_len) if has_lengths else {}
         return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
-                                 offset=offset, num_blocks=num_blocks, block_q=block_q)  # fmt: skip
+                                 offset=offset, num_blocks=num_blocks, block_q=block_q,
+                                 **lengths)  # fmt: skip
 
     lo0, hi0, _, _ = blocks_of(0)
     lo1, hi1, _, _ = blocks_of(1)
@@ -240,7 +279,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         first_key = tile * (CONSUMERS * _ROWS) + wg * _ROWS
-        my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
+        my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         keys = (b, pl.ds(first_key, _ROWS), kvh)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, in_barriers.at[wg])
@@ -272,7 +311,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                 qk = pl.run_scoped(st_gemm, plgpu.ACC((_ROWS, block_q), jnp.float32))
                 s, cap_grad = _logits(qk, rows_first=j * block_q + offset, keys_first=first_key,
                                       transposed=True, causal=causal, window=window,
-                                      soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
+                                      kv_len=kv_limit, soft_cap=soft_cap, scale=scale,
+                                      masked=masked)  # fmt: skip
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
 
                 def dv_dp_gemms(refs):
@@ -324,8 +364,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
-def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, window=None,
-                    soft_cap=None, scale=1.0, config=None):  # fmt: skip
+def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_lengths=None, *,
+                    causal=False, window=None, soft_cap=None, scale=1.0, config=None):  # fmt: skip
     """(dq, dk, dv) of dense flash attention from its forward's residuals (either
     forward kernel's: both return the natural lse).
 
@@ -336,6 +376,9 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
       out: the forward's output, like q; lse: its float32 `[B, Hq, Tq]` (not finite: the
         row sees no key); g_out: out's cotangent, q's shape (cast to q's dtype); g_lse:
         lse's or None.
+      q_lengths, kv_lengths: the forward's (int `[B]` or None). Padding may hold anything:
+        one XLA pass zeroes the padding rows of q, g_out (query rows) and k, v (keys), which
+        the GEMMs multiply by zero weights; padding rows and keys get zero gradients.
       causal, window, soft_cap, scale: the forward's (queries bottom-right aligned).
       config: a `MosaicBackwardConfig`; None picks `MosaicBackwardConfig.heuristic`.
 
@@ -352,15 +395,24 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
     if q_rows % rows or kv_rows % rows:
         raise ValueError(f"mosaic_backward: {q.shape=}, {k.shape=}: Tq, Tk multiples of {rows}")
     g_out = g_out.astype(dtype)
+    lengths = sequence_lengths(q_lengths, kv_lengths, batch, q_rows, kv_rows)
+    if lengths is not None:
+        q, g_out = (zero_padding(x, lengths[0]) for x in (q, g_out))
+        k, v = (zero_padding(x, lengths[1]) for x in (k, v))
+        real_row = jnp.arange(q_rows)[None, None, :] < lengths[0][:, None, None]  # [B, 1, Tq]
     delta = jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32), axis=-1)
     delta = delta.transpose(0, 2, 1)  # [B, Hq, Tq]
     finite = jnp.isfinite(lse)  # not: the row sees no key
+    if lengths is not None:  # padding rows: no weight, whatever their out and lse hold
+        finite = finite & real_row
+        delta = jnp.where(real_row, delta, 0.0)
     if g_lse is not None:
         delta = delta - jnp.where(finite, g_lse, 0.0)
     lse2 = jnp.where(finite, lse * LOG2E, jnp.inf)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     opts = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale, group=group,
-                stages=stages)  # fmt: skip
+                stages=stages, has_lengths=lengths is not None)  # fmt: skip
+    inputs = (q, k, v, g_out, lse2, delta) + (() if lengths is None else (lengths,))
     common = dict(num_threads=CONSUMERS + 1, thread_name="wg",
                   compiler_params=plgpu.CompilerParams(approx_math=True))  # fmt: skip
 
@@ -387,7 +439,7 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
         grid=(num_q_heads, q_rows // rows, batch),
         grid_names=("heads", "tiles", "batch"),
         **common,
-    )(q, k, v, g_out, lse2, delta)
+    )(*inputs)
 
     bq = config.block_q_dkv
     dk, dv = plgpu.kernel(
@@ -410,5 +462,5 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, *, causal=False, windo
         grid=(num_kv_heads, kv_rows // rows, batch),
         grid_names=("heads", "tiles", "batch"),
         **common,
-    )(q, k, v, g_out, lse2, delta)
+    )(*inputs)
     return dq, dk, dv

@@ -23,11 +23,15 @@ __all__ = [
     "floor_div",
     "imax",
     "imin",
+    "lengths_of",
     "load_plgpu",
     "produce",
+    "sequence_lengths",
     "slot_of",
     "union",
     "visible",
+    "within",
+    "zero_padding",
 ]
 
 
@@ -66,15 +70,48 @@ def slot_of(step, stages: int):
     return step % stages if isinstance(step, int) else lax.rem(step, stages)
 
 
-def visible(pos, key, *, causal: bool, window: int | None):
+def visible(pos, key, *, causal: bool, window: int | None, kv_len=None):
     """Whether the query at position `pos` sees the key at `key` (arrays of one shape):
-    causal (key <= pos) and within the window (key > pos - window). At least one of
-    `causal` / `window` is set."""
-    seen = key <= pos if causal else None
+    causal (key <= pos), within the window (key > pos - window) and, with lengths, a
+    real key (key < kv_len). At least one of the three is set."""
+    conditions = []
+    if causal:
+        conditions.append(key <= pos)
     if window is not None:
-        in_window = key > pos - window
-        seen = in_window if seen is None else seen & in_window
-    return seen
+        conditions.append(key > pos - window)
+    if kv_len is not None:
+        conditions.append(key < kv_len)
+    return functools.reduce(lambda a, b: a & b, conditions)
+
+
+def sequence_lengths(q_lengths, kv_lengths, batch: int, q_rows: int, kv_rows: int):
+    """None when neither is given, else int32 `[2, B]`: each sequence's query and key
+    counts (a missing one: all rows), clipped to `[0, Tq]` / `[0, Tk]`."""
+    if q_lengths is None and kv_lengths is None:
+        return None
+
+    def counts(lengths, rows):
+        if lengths is None:
+            return jnp.full((batch,), rows, jnp.int32)
+        return jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, rows)
+
+    return jnp.stack([counts(q_lengths, q_rows), counts(kv_lengths, kv_rows)])
+
+
+def zero_padding(x, lengths):
+    """x `[B, T, H, D]` with rows `t >= lengths[b]` zeroed (one XLA pass). The kernels'
+    GEMMs multiply padding rows by zero weights, and 0 * NaN is NaN: padding must be
+    finite before it reaches them."""
+    rows = jnp.arange(x.shape[1], dtype=jnp.int32)
+    return jnp.where((rows[None, :] < lengths[:, None])[:, :, None, None], x, 0)
+
+
+def lengths_of(lengths_ref, b, q_rows: int, kv_rows: int):
+    """(q_len, kv_len) of sequence `b` inside a kernel: scalars read from the lengths
+    array (`sequence_lengths`' `[2, B]`), or the static row counts without one."""
+    if lengths_ref is None:
+        return q_rows, kv_rows
+    return lengths_ref[0, b], lengths_ref[1, b]
 
 
 def union(lo0, hi0, lo1, hi1):
@@ -86,6 +123,19 @@ def union(lo0, hi0, lo1, hi1):
     lo = jnp.where(hi1 > lo1, jnp.minimum(lo, lo1), lo)
     hi = imax(hi0, hi1)
     return imin(lo, hi), hi
+
+
+def within(bounds, lo, hi):
+    """A consumer's `(my_lo, my_hi, full_lo, full_hi)` clipped into the producer's ring
+    steps `[lo, hi)`. A consumer passes over `lo..my_lo` and `my_hi..hi`, so its range
+    must lie inside; a non-empty one does already, but an empty one may sit anywhere
+    (`block_range` puts a consumer holding only padding rows at 0, below a `lo` that the
+    other consumer's window raised), and would pass over steps never loaded."""
+    my_lo, my_hi, full_lo, full_hi = bounds
+    my_lo = clip(my_lo, lo, hi)
+    my_hi = clip(my_hi, my_lo, hi)
+    full_lo = clip(full_lo, my_lo, my_hi)
+    return my_lo, my_hi, full_lo, clip(full_hi, full_lo, my_hi)
 
 
 def produce(lo, hi, stages: int, load):

@@ -19,13 +19,14 @@ warpgroups (FlashAttention-3, Shah et al. 2024):
   1.5-1.7x slower on causal rows (H100, 2026-11-25; more registers live across the
   masked blocks), so it is not used.
 
-Semantics are those of `jaxattn.reference` for a dense batch without lengths: query row r
-sits at position `r + Tk - Tq` (bottom-right aligned), causal hides keys past it, a
-window W keeps keys `j > p - W`, and the soft-cap bends the scaled logits. Key blocks a
-consumer's rows cannot see are skipped (the producer loads the union of both consumers'
-ranges; a consumer passes over the blocks outside its own, waiting and arriving so the
-barriers' phases stay in step). Masks are computed only on blocks that straddle a
-boundary. Rows that see no key output zeros and lse -inf.
+Semantics are those of `jaxattn.reference` for a dense batch: query row r sits at position
+`r + Tk - Tq` (bottom-right aligned; with lengths, `r + kv_len - q_len` of its sequence),
+causal hides keys past it, a window W keeps keys `j > p - W`, keys at or past `kv_len`
+are padding, and the soft-cap bends the scaled logits. Key blocks a consumer's rows
+cannot see are skipped (the producer loads the union of both consumers' ranges; a
+consumer passes over the blocks outside its own, waiting and arriving so the barriers'
+phases stay in step). Masks are computed only on blocks that straddle a boundary. Rows
+that see no key, and padding rows, output zeros and lse -inf.
 
 What runs here and what falls back to the Triton kernel is decided by
 `pallas_kernels.mosaic.support` (`forward_unsupported`).
@@ -48,11 +49,15 @@ from pallas_kernels.mosaic.common import (
     clip,
     floor_div,
     imin,
+    lengths_of,
     load_plgpu,
     produce,
+    sequence_lengths,
     slot_of,
     union,
     visible,
+    within,
+    zero_padding,
 )
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 
@@ -62,12 +67,13 @@ from pallas_kernels.mosaic.config import MosaicForwardConfig
 _NO_KEY = 0.5 * MASK_VALUE
 
 
-def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
+def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv, kv_len=None):
     """(lo, hi, full_lo, full_hi): the key blocks `[lo, hi)` holding a key visible to some
     row at positions `first_pos..last_pos` (int32 scalars), and the blocks `[full_lo,
-    full_hi)` whose keys every such row sees (no mask needed). Plain integer arithmetic:
-    runs in kernels and in tests alike; bounds that do not depend on the rows stay
-    Python ints."""
+    full_hi)` whose keys every such row sees (no mask needed). `kv_len`: with lengths,
+    the sequence's key count (no key at or past it is visible); rows then may be none
+    (`last_pos < first_pos`: an empty range). Plain integer arithmetic: runs in kernels
+    and in tests alike; bounds that do not depend on the rows stay Python ints."""
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:
@@ -76,6 +82,12 @@ def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
     if window is not None:
         lo = clip(floor_div(first_pos - window + 1, block_kv), 0, num_blocks)
         full_lo = clip(floor_div(last_pos - window + block_kv, block_kv), 0, num_blocks)
+    if kv_len is not None:
+        hi = imin(hi, floor_div(kv_len + block_kv - 1, block_kv))  # cdiv(kv_len)
+        full_hi = imin(full_hi, floor_div(kv_len, block_kv))
+        some = last_pos >= first_pos  # some row, and (window) some key below kv_len
+        some = some if window is None else some & (first_pos - window + 1 < kv_len)
+        hi = jnp.where(some, hi, 0)
     lo = imin(lo, hi)
     full_lo = clip(full_lo, lo, hi)
     full_hi = clip(full_hi, full_lo, hi)
@@ -83,14 +95,8 @@ def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv):
 
 
 def _kernel(
-    q_ref,  # [B, Tq, Hq, D] (GMEM)
-    k_ref,  # [B, Tk, Hkv, D]
-    v_ref,
-    out_ref,  # [B, Tq, Hq, D]
-    lse_ref,  # [B, Hq, Tq] float32, natural log
-    smem,
-    barriers,
-    *,
+    *refs,
+    has_lengths: bool,
     causal: bool,
     window: int | None,
     soft_cap: float | None,
@@ -99,6 +105,13 @@ def _kernel(
     num_tiles: int,
     config: MosaicForwardConfig,
 ):
+    # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
+    # (`sequence_lengths`); out [B, Tq, Hq, D]; lse [B, Hq, Tq] float32, natural log.
+    if has_lengths:
+        q_ref, k_ref, v_ref, lengths_ref, out_ref, lse_ref, smem, barriers = refs
+    else:
+        q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers = refs
+        lengths_ref = None
     plgpu = load_plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
@@ -107,9 +120,12 @@ def _kernel(
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
     num_blocks = kv_rows // block_kv
-    offset = kv_rows - q_rows  # query row r sits at position r + offset
 
     b = lax.axis_index("batch")
+    q_len, kv_len = lengths_of(lengths_ref, b, q_rows, kv_rows)
+    offset = kv_len - q_len  # query row r sits at position r + offset
+    kv_limit = kv_len if has_lengths else None  # keys at or past it are padding
+    mask_needed = causal or window is not None or has_lengths
     h = lax.axis_index("heads")
     kvh = h // group
     # Heaviest tiles (the last rows of a causal mask) first.
@@ -121,9 +137,10 @@ def _kernel(
         return tile * config.rows + consumer * block_q
 
     def blocks_of(consumer):
-        first = rows_of(consumer) + offset
-        return block_range(first, first + block_q - 1, causal=causal, window=window,
-                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
+        first = rows_of(consumer)
+        last = imin(first + block_q, q_len) - 1  # its last real row
+        return block_range(first + offset, last + offset, causal=causal, window=window,
+                           num_blocks=num_blocks, block_kv=block_kv, kv_len=kv_limit)  # fmt: skip
 
     lo0, hi0, _, _ = blocks_of(0)
     lo1, hi1, _, _ = blocks_of(1)
@@ -139,7 +156,7 @@ def _kernel(
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         first_row = rows_of(wg)
-        my_lo, my_hi, full_lo, full_hi = blocks_of(wg)
+        my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         plgpu.copy_gmem_to_smem(
             q_ref.at[b, pl.ds(first_row, block_q), h], qo_smem, q_barriers.at[wg]
         )
@@ -166,18 +183,19 @@ def _kernel(
                 s = qk * (scale * LOG2E)
             else:
                 s = (soft_cap * LOG2E) * jnp.tanh(qk * (scale / soft_cap))
-            if not masked or (not causal and window is None):
+            if not masked or not mask_needed:
                 return s
             shape = (block_q, block_kv)
             r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
             j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
             pos = r + (first_row + offset)
             key = j + step * block_kv
-            return jnp.where(visible(pos, key, causal=causal, window=window), s, MASK_VALUE)
+            seen = visible(pos, key, causal=causal, window=window, kv_len=kv_limit)
+            return jnp.where(seen, s, MASK_VALUE)
 
         def softmax(qk, step, masked: bool, m, l):
             """Online softmax in base 2 of one S tile: (m, alpha, p, l) after it."""
-            if soft_cap is None and scale > 0 and not (masked and (causal or window)):
+            if soft_cap is None and scale > 0 and not (masked and mask_needed):
                 c = scale * LOG2E  # max(c * qk) = c * max(qk): one FMA per logit below
                 m_new = jnp.maximum(m, qk.max(axis=1) * c)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
@@ -238,7 +256,13 @@ def _kernel(
 
         seen = m > _NO_KEY  # rows that saw a key
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        if has_lengths:  # padding rows: zeros (their q may be anything, NaN included)
+            r = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=wgmma_layout)
+            real = r < q_len - first_row
+            out = jnp.where(real, out, 0.0)
+            seen = seen & (jnp.where(real, 1.0, 0.0).max(axis=1) > 0)
+        qo_smem[...] = out.astype(dtype)
         lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(first_row, block_q), h])
@@ -268,6 +292,8 @@ def mosaic_forward(
     q,
     k,
     v,
+    q_lengths=None,
+    kv_lengths=None,
     *,
     causal: bool = False,
     window: int | None = None,
@@ -281,12 +307,18 @@ def mosaic_forward(
       q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype,
         `Hq % Hkv == 0`. D in (64, 128, 256); Tq a multiple of `config.rows`, Tk of
         `config.block_kv` (`pallas_kernels.mosaic.support` checks all of this first).
+      q_lengths, kv_lengths: int `[B]` or None (all rows), as `jaxattn.attention`'s:
+        sequence b's real queries are its first `q_lengths[b]` rows, its keys the first
+        `kv_lengths[b]`, and its query row r sits at position `r + kv_lengths[b] -
+        q_lengths[b]`. Padding may hold anything: one XLA pass zeroes v's padding rows
+        (the P V GEMM multiplies them by zero weights, and 0 * NaN is NaN); the kernel
+        masks the keys and zeroes the padding rows' output.
       causal, window, soft_cap, scale: as `jaxattn.attention` (queries bottom-right aligned).
       config: tiling; None picks `MosaicForwardConfig.heuristic`.
 
     Returns:
       out `[B, Tq, Hq, D]` in q's dtype and the natural log-sum-exp float32 `[B, Hq, Tq]`
-      (-inf for rows that see no key, whose output is zeros).
+      (-inf for rows that see no key and for padding rows, whose output is zeros).
     """
     plgpu = load_plgpu()
     batch, q_rows, num_q_heads, head_dim = q.shape
@@ -298,6 +330,8 @@ def mosaic_forward(
             f"{config.rows} and Tk of {config.block_kv} ({config})"
         )
     dtype = q.dtype
+    lengths = sequence_lengths(q_lengths, kv_lengths, batch, q_rows, kv_rows)
+    inputs = (q, k, v) if lengths is None else (q, k, zero_padding(v, lengths[1]), lengths)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = config.num_stages
     smem = (
@@ -316,6 +350,7 @@ def mosaic_forward(
     )
     kernel = functools.partial(
         _kernel,
+        has_lengths=lengths is not None,
         causal=causal,
         window=window,
         soft_cap=soft_cap,
@@ -336,7 +371,7 @@ def mosaic_forward(
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v)
+    )(*inputs)
 
 
 __all__ = ["block_range", "mosaic_forward"]

@@ -79,17 +79,14 @@ def _options_unsupported(
     dtype,
     *,
     packed: bool = False,
-    lengths: bool = False,
     sink_tokens: int = 0,
     terms: bool = False,
     out_fp8: bool = False,
 ) -> str | None:
     """The options neither Hopper kernel covers (the first one found), or None.
-    `lengths`: q or kv lengths given; `terms`: a bias, mask, ALiBi or T5 table."""
+    `terms`: a bias, mask, ALiBi or T5 table. (Both cover q and kv lengths.)"""
     if packed:
         return "packed (cu_seqlens) batches"
-    if lengths:
-        return "q_lengths / kv_lengths"
     if sink_tokens:
         return "sink tokens"
     if terms:
@@ -105,8 +102,8 @@ def forward_unsupported(q_shape, k_shape, dtype, *, config: MosaicForwardConfig,
     """None if `mosaic_forward` computes this call, else the first reason it cannot.
 
     q_shape, k_shape: dense `[B, Tq, Hq, D]`, `[B, Tk, Hkv, D]` (or packed); options: the
-    call's `packed`, `lengths`, `sink_tokens`, `terms`, `out_fp8` (`_options_unsupported`).
-    Causal, window, soft-cap, scale and GQA are always covered.
+    call's `packed`, `sink_tokens`, `terms`, `out_fp8` (`_options_unsupported`). Causal,
+    window, soft-cap, scale, GQA and q/kv lengths are always covered.
     """
     why = _options_unsupported(dtype, **options)
     if why is not None:
