@@ -22,7 +22,10 @@ columns (1.3-1.5x), and this dK/dV kernel issuing S^T with dP^T and dV with dK (
 
 Inputs come preprocessed (`mosaic_backward`): the base-2 lse (+inf for rows that see no
 key, so their P is 0) and delta = rowsum(dO * O) - d(lse) (the lse cotangent enters as
-dS = P (dP - delta + g_lse)).
+dS = P (dP - delta + g_lse)). With q/kv lengths the padding rows of q, dO, k and v come
+zeroed and padding rows get lse +inf and delta 0, so their P and dS are 0; the kernels
+read each sequence's lengths for its positions, mask keys past kv_len and skip the blocks
+past either length.
 """
 
 from __future__ import annotations
