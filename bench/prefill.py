@@ -384,8 +384,10 @@ def prefill_set(settings: Settings) -> SetResult:
 
 def packed_set(settings: Settings) -> SetResult:
     """Packed mixed-length sequences (`ragged_attention`) against our dense kernel: the
-    Triton kernel in every row (the dense row's forced, as the packed and padded rows
-    only run on it), so the ratios measure packing, not a change of kernel."""
+    Triton kernel in the `ours` rows (forced on the dense and padded rows, as the packed
+    row only runs on it), so their ratios measure packing, not a change of kernel; then
+    `ours auto` rows for the dense and padded shapes (the Hopper kernel on sm90, lengths
+    included)."""
     from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
     heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
@@ -401,6 +403,8 @@ def packed_set(settings: Settings) -> SetResult:
     lengths = packed.lengths()
     cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)  # [B+1]
 
+    real_flops = attention_flops(lengths, heads, causal=True)  # the packed and padded rows'
+    dense_flops = attention_flops([dense.seq_len] * dense.batch, heads, causal=True)
     qkv_sets = _qkv_sets((packed.total,), heads, seed=1000)
     packed_ref = _packed_reference(*qkv_sets[0], lengths, causal=True)
     max_len = int(lengths.max())
@@ -412,12 +416,13 @@ def packed_set(settings: Settings) -> SetResult:
         config=triton(max_len, lengths=True, packed=True),
         arg_sets=[(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets],
         ref=packed_ref,
-        flops=attention_flops(lengths, heads, causal=True),
+        flops=real_flops,
         notes="lengths " + ",".join(str(n) for n in lengths),
         sweep=TRITON_SWEEP,
     )
 
     dense_sets = _qkv_sets((dense.batch, dense.seq_len), heads, seed=2000)
+    dense_ref = _dense_reference(*dense_sets[0], causal=True)
     dense_rows = _bench_ours(
         settings,
         set_name="prefill_packed",
@@ -425,8 +430,8 @@ def packed_set(settings: Settings) -> SetResult:
         make_fn=_ours_dense(causal=True),
         config=triton(dense.seq_len),
         arg_sets=dense_sets,
-        ref=_dense_reference(*dense_sets[0], causal=True),
-        flops=attention_flops([dense.seq_len] * dense.batch, heads, causal=True),
+        ref=dense_ref,
+        flops=dense_flops,
         sweep=TRITON_SWEEP,
     )
 
@@ -447,19 +452,24 @@ def packed_set(settings: Settings) -> SetResult:
     if packed_ref is not None:
         padded_ref = pad(packed_ref, jnp.zeros((len(lengths), max_len, *packed_ref.shape[1:])))
     lengths_arg = jnp.asarray(lengths, jnp.int32)
-    padded_rows = _bench_ours(
-        settings,
-        set_name="prefill_packed",
-        shape=f"padded B{len(lengths)} S{max_len} causal, lengths",
-        make_fn=lambda config: jax.jit(
+
+    def padded_fn(config):
+        return jax.jit(
             lambda q, k, v: _ours_dense(causal=True)(config)(
                 q, k, v, q_lengths=lengths_arg, kv_lengths=lengths_arg
             )
-        ),
+        )
+
+    padded_shape = f"padded B{len(lengths)} S{max_len} causal, lengths"
+    padded_rows = _bench_ours(
+        settings,
+        set_name="prefill_packed",
+        shape=padded_shape,
+        make_fn=padded_fn,
         config=triton(max_len, lengths=True),
         arg_sets=padded_sets,
         ref=padded_ref,
-        flops=attention_flops(lengths, heads, causal=True),
+        flops=real_flops,
         notes="same sequences as the packed row; FLOPs counted on real tokens",
         sweep=TRITON_SWEEP,
     )
@@ -476,4 +486,23 @@ def packed_set(settings: Settings) -> SetResult:
         packed_rows[0] = dataclasses.replace(
             packed_main, notes=join_notes(packed_main.notes, ratios)
         )
-    return SetResult("prefill_packed", heads.describe(), packed_rows + dense_rows + padded_rows)
+
+    def auto_row(label, fn, arg_sets, ref, flops, notes=""):
+        notes = join_notes("config auto (heuristic)", notes)
+        return bench_impl(settings, set_name="prefill_packed", shape=label, impl="ours auto",
+                          fn=fn, arg_sets=arg_sets, ref=ref, tol=TOLERANCES[heads.dtype],
+                          work=flops, notes=notes)  # fmt: skip
+
+    auto_rows = [
+        auto_row(dense.label, _ours_dense(causal=True)(None), dense_sets, dense_ref, dense_flops),
+        auto_row(
+            padded_shape,
+            padded_fn(None),
+            padded_sets,
+            padded_ref,
+            real_flops,
+            "FLOPs counted on real tokens",
+        ),  # fmt: skip
+    ]
+    rows = packed_rows + dense_rows + padded_rows + auto_rows
+    return SetResult("prefill_packed", heads.describe(), rows)
