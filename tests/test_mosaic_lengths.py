@@ -31,8 +31,8 @@ from test_mosaic import hopper_only
 import jaxattn
 from pallas_kernels.mosaic import mosaic_backward, mosaic_forward
 from pallas_kernels.mosaic.backward import query_block_range
-from pallas_kernels.mosaic.common import union, within
-from pallas_kernels.mosaic.forward import block_range
+from pallas_kernels.mosaic.common import ring_steps, within
+from pallas_kernels.mosaic.forward import key_blocks
 
 attention_module = importlib.import_module("jaxattn.attention")
 LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -52,9 +52,9 @@ CASES = [
 FORWARD_ONLY = [(256, 256, 4, 2, 256, True, None, None, (200, 256), (230, 97))]  # D256
 
 
-def _inputs(case, dtype):
+def _inputs(case, dtype, poison_kind="nan"):
     """(clean inputs, poisoned inputs, lengths): q, k, v, g_out, g_lse; the poisoned copies
-    hold NaN in every padding row (and padding key)."""
+    hold NaN (or a huge finite value: `poison_kind`) in every padding row and key."""
     tq, tk, hq, hkv, d, *_, q_lengths, kv_lengths = case
     b = len(q_lengths)
     rng = util.rng_for("mosaic lengths", case, dtype)
@@ -66,12 +66,14 @@ def _inputs(case, dtype):
     q_pad = jnp.arange(tq)[None, :] >= q_len[:, None]  # [B, Tq]
     k_pad = jnp.arange(tk)[None, :] >= kv_len[:, None]
 
+    value = util.poison_value(dtype, poison_kind)
+
     def poison(x, pad):
-        return jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
+        return jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)), value, x).astype(x.dtype)
 
     clean = (q, k, v, g_out, g_lse)
     bad = (poison(q, q_pad), poison(k, k_pad), poison(v, k_pad), poison(g_out, q_pad),
-           jnp.where(q_pad[:, None, :], jnp.nan, g_lse))  # fmt: skip
+           jnp.where(q_pad[:, None, :], value, g_lse))  # fmt: skip
     return clean, bad, (q_len, kv_len)
 
 
@@ -98,33 +100,25 @@ def _walk_ok(raw, lo, hi):
 
 
 def _walks(tq, tk, causal, window, lengths, block):
-    """The key-block ranges of the forward / dQ consumers (64 rows each, tiles of 128
-    rows) and the query-block ranges of the dK/dV consumers (64 keys each), per tile:
-    [(raw consumer 0, raw consumer 1), ...]."""
-    q_len, kv_len = lengths or (tq, tk)
+    """Per tile, `blocks_of(consumer)` as the kernels build it: the key-block ranges of the
+    forward / dQ consumers (`key_blocks`, 64 rows each, tiles of 128 rows) and the
+    query-block ranges of the dK/dV consumers (64 keys each)."""
+    q_len, kv_len = (jnp.int32(x) for x in (lengths or (tq, tk)))
     offset = kv_len - q_len
-    limit = None if lengths is None else jnp.int32(kv_len)
-    extra = {} if lengths is None else dict(q_len=jnp.int32(q_len), kv_len=jnp.int32(kv_len))
-    key_tiles, query_tiles = [], []
+    limit = None if lengths is None else kv_len
+    extra = {} if lengths is None else dict(q_len=q_len, kv_len=kv_len)
+    walks = []
     for tile in range(tq // 128):
-        pair = []
-        for c in range(2):
-            first = tile * 128 + c * 64
-            last = min(first + 64, q_len) - 1
-            pair.append(block_range(jnp.int32(first + offset), jnp.int32(last + offset),
-                                    causal=causal, window=window, num_blocks=tk // block,
-                                    block_kv=block, kv_len=limit))  # fmt: skip
-        key_tiles.append(pair)
+        walks.append(lambda c, tile=tile: key_blocks(
+            jnp.int32(tile * 128 + c * 64), 64, q_len=q_len, offset=offset, kv_len=limit,
+            causal=causal, window=window, num_blocks=tk // block, block_kv=block,
+        ))  # fmt: skip
     for tile in range(tk // 128):
-        pair = []
-        for c in range(2):
-            first = tile * 128 + c * 64
-            keys = (jnp.int32(first), jnp.int32(first + 63))
-            pair.append(query_block_range(*keys, causal=causal, window=window,
-                                          offset=jnp.int32(offset), num_blocks=tq // block,
-                                          block_q=block, **extra))  # fmt: skip
-        query_tiles.append(pair)
-    return key_tiles + query_tiles
+        walks.append(lambda c, tile=tile: query_block_range(
+            jnp.int32(tile * 128 + c * 64), jnp.int32(tile * 128 + c * 64 + 63), causal=causal,
+            window=window, offset=offset, num_blocks=tq // block, block_q=block, **extra,
+        ))  # fmt: skip
+    return walks
 
 
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 100), (False, 64), (False, None)])
@@ -137,9 +131,9 @@ def test_consumers_walk_exactly_the_producers_steps(causal, window):
             elif not causal and window is None:
                 continue
             for block in (64, 128):
-                for raw0, raw1 in _walks(tq, tk, causal, window, lengths, block):
-                    lo, hi = (int(x) for x in union(*raw0[:2], *raw1[:2]))
-                    moved += _walk_ok(raw0, lo, hi) + _walk_ok(raw1, lo, hi)
+                for blocks_of in _walks(tq, tk, causal, window, lengths, block):
+                    lo, hi = (int(x) for x in ring_steps(blocks_of))
+                    moved += _walk_ok(blocks_of(0), lo, hi) + _walk_ok(blocks_of(1), lo, hi)
     if causal:  # the case that crashed the dK/dV kernel: the check is not vacuous
         assert moved > 0
 
@@ -167,10 +161,13 @@ def test_kernels_lower_for_cuda_with_lengths(case):
 
 
 @hopper_only
+@pytest.mark.parametrize("poison", ["nan", "huge"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES + FORWARD_ONLY, ids=lambda c: "-".join(map(str, c)))
-def test_forward_with_lengths_matches_oracle(case, dtype):
-    clean, bad, lengths = _inputs(case, dtype)
+def test_forward_with_lengths_matches_oracle(case, dtype, poison):
+    """NaN padding rows of q die with their own rows; huge finite ones would see keys and
+    get a finite lse: both must end as zeros and -inf."""
+    clean, bad, lengths = _inputs(case, dtype, poison)
     out, lse = jax.jit(functools.partial(mosaic_forward, **_opts(case)))(*bad[:3], *lengths)
     args = [util.f64(x) for x in clean[:3]]
     kw = dict(_opts(case), q_lengths=np.asarray(lengths[0]), kv_lengths=np.asarray(lengths[1]))
@@ -196,10 +193,14 @@ def _check_grads(case, dtype, grads, clean, lengths):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_backward_with_lengths_matches_oracle(case, dtype):
-    """dq, dk, dv with an lse cotangent, on the forward's own residuals."""
+    """dq, dk, dv with an lse cotangent, on the forward's residuals with their padding rows
+    poisoned too (NaN out, NaN lse): the backward must not trust them."""
     clean, bad, lengths = _inputs(case, dtype)
     q, k, v, g_out, g_lse = bad
     out, lse = mosaic_forward(q, k, v, *lengths, **_opts(case))
+    q_pad = jnp.arange(q.shape[1])[None, :] >= lengths[0][:, None]  # [B, Tq]
+    out = jnp.where(q_pad[:, :, None, None], jnp.nan, out).astype(out.dtype)
+    lse = jnp.where(q_pad[:, None, :], jnp.nan, lse)
     fn = jax.jit(functools.partial(mosaic_backward, **_opts(case)))
     grads = fn(q, k, v, out, lse, g_out, g_lse, *lengths)
     _check_grads(case, dtype, grads, clean, lengths)

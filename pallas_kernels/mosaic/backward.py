@@ -48,15 +48,15 @@ from pallas_kernels.mosaic.common import (
     lengths_of,
     load_plgpu,
     produce,
+    ring_steps,
     sequence_lengths,
     slot_of,
-    union,
     visible,
     within,
     zero_padding,
 )
 from pallas_kernels.mosaic.config import MosaicBackwardConfig
-from pallas_kernels.mosaic.forward import block_range
+from pallas_kernels.mosaic.forward import key_blocks
 
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
 
@@ -166,13 +166,11 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
 
     def blocks_of(consumer):
         first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
-        last = imin(first + _ROWS, q_len) - 1  # its last real row
-        return block_range(first + offset, last + offset, causal=causal, window=window,
-                           num_blocks=num_blocks, block_kv=block_kv, kv_len=kv_limit)  # fmt: skip
+        return key_blocks(first, _ROWS, q_len=q_len, offset=offset, kv_len=kv_limit,
+                          causal=causal, window=window, num_blocks=num_blocks,
+                          block_kv=block_kv)  # fmt: skip
 
-    lo0, hi0, _, _ = blocks_of(0)
-    lo1, hi1, _, _ = blocks_of(1)
-    lo, hi = union(lo0, hi0, lo1, hi1)
+    lo, hi = ring_steps(blocks_of)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -273,9 +271,7 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
                                  offset=offset, num_blocks=num_blocks, block_q=block_q,
                                  **lengths)  # fmt: skip
 
-    lo0, hi0, _, _ = blocks_of(0)
-    lo1, hi1, _, _ = blocks_of(1)
-    lo, hi = union(lo0, hi0, lo1, hi1)
+    lo, hi = ring_steps(blocks_of)
     span = hi - lo  # ring steps per query head: head g's block j is step g * span + j - lo
 
     @pl.when(wg < CONSUMERS)
@@ -375,7 +371,7 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
     Args:
       q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype; D 64
         or 128; Tq, Tk multiples of 128 (the dispatchers check all of this with
-        `pallas_kernels.mosaic.support.backward_unsupported` first; this checks the lengths).
+        `pallas_kernels.mosaic.support.backward_unsupported` first; this checks Tq and Tk).
       out: the forward's output, like q; lse: its float32 `[B, Hq, Tq]` (not finite: the
         row sees no key); g_out: out's cotangent, q's shape (cast to q's dtype); g_lse:
         lse's or None.

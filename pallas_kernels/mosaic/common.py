@@ -26,6 +26,7 @@ __all__ = [
     "lengths_of",
     "load_plgpu",
     "produce",
+    "ring_steps",
     "sequence_lengths",
     "slot_of",
     "union",
@@ -86,14 +87,16 @@ def visible(pos, key, *, causal: bool, window: int | None, kv_len=None):
 
 def sequence_lengths(q_lengths, kv_lengths, batch: int, q_rows: int, kv_rows: int):
     """None when neither is given, else int32 `[2, B]`: each sequence's query and key
-    counts (a missing one: all rows), clipped to `[0, Tq]` / `[0, Tk]`."""
+    counts (a missing one: all rows). Taken as given, as the reference and the Triton
+    kernels take them (positions `r + kv_len - q_len`); counts past the arrays read
+    nothing past them (the kernels' block ranges stop at Tq and Tk)."""
     if q_lengths is None and kv_lengths is None:
         return None
 
     def counts(lengths, rows):
         if lengths is None:
             return jnp.full((batch,), rows, jnp.int32)
-        return jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, rows)
+        return jnp.asarray(lengths).astype(jnp.int32)
 
     return jnp.stack([counts(q_lengths, q_rows), counts(kv_lengths, kv_rows)])
 
@@ -114,11 +117,22 @@ def lengths_of(lengths_ref, b, q_rows: int, kv_rows: int):
     return lengths_ref[0, b], lengths_ref[1, b]
 
 
+def ring_steps(blocks_of):
+    """The producer's ring steps `(lo, hi)`: the union of consumers 0 and 1's ranges
+    (`blocks_of(consumer)` returns a `(lo, hi, full_lo, full_hi)`)."""
+    lo0, hi0, _, _ = blocks_of(0)
+    lo1, hi1, _, _ = blocks_of(1)
+    return union(lo0, hi0, lo1, hi1)
+
+
 def union(lo0, hi0, lo1, hi1):
     """The producer's range of ring steps: both consumers' `[lo, hi)` (an empty one adds
     nothing)."""
     if _static(lo0, hi0, lo1, hi1):
-        return min(lo0, lo1), max(hi0, hi1)
+        lo = lo0 if hi0 > lo0 else lo1
+        lo = min(lo, lo1) if hi1 > lo1 else lo
+        hi = max(hi0, hi1)
+        return min(lo, hi), hi
     lo = jnp.where(hi0 > lo0, lo0, lo1)
     lo = jnp.where(hi1 > lo1, jnp.minimum(lo, lo1), lo)
     hi = imax(hi0, hi1)
@@ -128,9 +142,11 @@ def union(lo0, hi0, lo1, hi1):
 def within(bounds, lo, hi):
     """A consumer's `(my_lo, my_hi, full_lo, full_hi)` clipped into the producer's ring
     steps `[lo, hi)`. A consumer passes over `lo..my_lo` and `my_hi..hi`, so its range
-    must lie inside; a non-empty one does already, but an empty one may sit anywhere
-    (`block_range` puts a consumer holding only padding rows at 0, below a `lo` that the
-    other consumer's window raised), and would pass over steps never loaded."""
+    must lie inside; a non-empty one does already, but an empty one may sit anywhere:
+    with lengths a consumer holding only padding rows (`block_range`) or padding keys
+    (`query_block_range`) gets (0, 0), below a `lo` the other consumer's causal or window
+    bound raised, and would pass over steps never loaded (on the H100 the dK/dV kernel
+    died so at q_len = kv_len = 300 in Tq = Tk = 512)."""
     my_lo, my_hi, full_lo, full_hi = bounds
     my_lo = clip(my_lo, lo, hi)
     my_hi = clip(my_hi, my_lo, hi)

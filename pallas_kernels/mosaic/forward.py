@@ -52,9 +52,9 @@ from pallas_kernels.mosaic.common import (
     lengths_of,
     load_plgpu,
     produce,
+    ring_steps,
     sequence_lengths,
     slot_of,
-    union,
     visible,
     within,
     zero_padding,
@@ -92,6 +92,15 @@ def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv, kv
     full_lo = clip(full_lo, lo, hi)
     full_hi = clip(full_hi, full_lo, hi)
     return lo, hi, full_lo, full_hi
+
+
+def key_blocks(first_row, rows: int, *, q_len, offset, kv_len, **range_options):
+    """`block_range` of a consumer's query rows `first_row .. first_row + rows - 1`: those
+    before `q_len` (the rest are padding), at positions `row + offset`; `kv_len`: None
+    without lengths. The forward's and the dQ kernel's consumers take their key blocks
+    from here."""
+    last = imin(first_row + rows, q_len) - 1  # the last real row
+    return block_range(first_row + offset, last + offset, kv_len=kv_len, **range_options)
 
 
 def _kernel(
@@ -137,15 +146,11 @@ def _kernel(
         return tile * config.rows + consumer * block_q
 
     def blocks_of(consumer):
-        first = rows_of(consumer)
-        last = imin(first + block_q, q_len) - 1  # its last real row
-        return block_range(first + offset, last + offset, causal=causal, window=window,
-                           num_blocks=num_blocks, block_kv=block_kv, kv_len=kv_limit)  # fmt: skip
+        return key_blocks(rows_of(consumer), block_q, q_len=q_len, offset=offset,
+                          kv_len=kv_limit, causal=causal, window=window,
+                          num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
-    lo0, hi0, _, _ = blocks_of(0)
-    lo1, hi1, _, _ = blocks_of(1)
-    # The producer loads the union of both consumers' blocks.
-    lo, hi = union(lo0, hi0, lo1, hi1)
+    lo, hi = ring_steps(blocks_of)  # the producer loads the union of both consumers' blocks
 
     def schedule_turn():  # FA3 section 3.2: consumers take turns on the tensor cores
         plgpu.barrier_arrive(schedule)
@@ -374,4 +379,4 @@ def mosaic_forward(
     )(*inputs)
 
 
-__all__ = ["block_range", "mosaic_forward"]
+__all__ = ["block_range", "key_blocks", "mosaic_forward"]
