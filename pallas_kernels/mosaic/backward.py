@@ -45,12 +45,13 @@ from pallas_kernels.mosaic.common import (
     clip,
     floor_div,
     imin,
-    lengths_of,
     load_plgpu,
     produce,
     ring_steps,
     sequence_lengths,
+    sequence_of,
     slot_of,
+    split_refs,
     visible,
     within,
     zero_padding,
@@ -66,8 +67,8 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
     """(lo, hi, full_lo, full_hi): the query blocks `[lo, hi)` with a row that sees some
     key of `first_key..last_key` (row r sits at position r + offset), and the blocks
     `[full_lo, full_hi)` whose every row sees every one of those keys. With lengths
-    (`q_len`, `kv_len`: the sequence's counts), rows at or past q_len and keys at or past
-    kv_len see nothing."""
+    (`kv_len` not None; `q_len`, `kv_len`: the sequence's counts), rows at or past q_len
+    and keys at or past kv_len see nothing; without, q_len is not read."""
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:  # rows r >= key - offset see the key
@@ -135,19 +136,11 @@ def _walk(bounds, step_body, pass_over, carry):
     return carry
 
 
-def _unpack(refs, has_lengths: bool, num_inputs: int = 6):
-    """(inputs, lengths_ref or None, the rest): a kernel's refs, lengths after the inputs."""
-    if not has_lengths:
-        return refs[:num_inputs], None, refs[num_inputs:]
-    return refs[:num_inputs], refs[num_inputs], refs[num_inputs + 1 :]
-
-
 def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stages, block_kv):
     # q, do [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse (base 2), delta [B, Hq, Tq] float32;
     # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D].
-    inputs, lengths_ref, rest = _unpack(refs, has_lengths)
+    inputs, lengths_ref, (dq_ref, smem, barriers) = split_refs(refs, 6, has_lengths)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
-    dq_ref, smem, barriers = rest
     plgpu = load_plgpu()
     q_smem2, do_smem2, row_smem2, k_smem, v_smem = smem
     in_barriers, k_loaded, v_loaded, k_consumed, v_consumed = barriers
@@ -156,9 +149,7 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
     dtype = q_ref.dtype
     num_blocks = kv_rows // block_kv
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    q_len, kv_len = lengths_of(lengths_ref, b, q_rows, kv_rows)
-    offset = kv_len - q_len  # query row r sits at position r + offset
-    kv_limit = kv_len if has_lengths else None
+    q_len, _, offset, kv_limit = sequence_of(lengths_ref, b, q_rows, kv_rows)
     kvh = h // group
     tile = lax.axis_index("tiles")
     if causal:  # the last query tiles see the most keys: launch them first
@@ -248,9 +239,8 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
 
 def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stages, block_q):
     # The dQ kernel's inputs (and lengths); dk, dv [B, Tk, Hkv, D].
-    inputs, lengths_ref, rest = _unpack(refs, has_lengths)
+    inputs, lengths_ref, (dk_ref, dv_ref, smem, barriers) = split_refs(refs, 6, has_lengths)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
-    dk_ref, dv_ref, smem, barriers = rest
     plgpu = load_plgpu()
     k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
     in_barriers, q_loaded, q_consumed = barriers
@@ -259,17 +249,14 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
     dtype = q_ref.dtype
     num_blocks = q_rows // block_q
     b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    q_len, kv_len = lengths_of(lengths_ref, b, q_rows, kv_rows)
-    offset = kv_len - q_len  # query row r sits at position r + offset
-    kv_limit = kv_len if has_lengths else None
+    q_len, _, offset, kv_limit = sequence_of(lengths_ref, b, q_rows, kv_rows)
     tile = lax.axis_index("tiles")
 
     def blocks_of(consumer):
         first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
-        lengths = dict(q_len=q_len, kv_len=kv_len) if has_lengths else {}
         return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
                                  offset=offset, num_blocks=num_blocks, block_q=block_q,
-                                 **lengths)  # fmt: skip
+                                 q_len=q_len, kv_len=kv_limit)  # fmt: skip
 
     lo, hi = ring_steps(blocks_of)
     span = hi - lo  # ring steps per query head: head g's block j is step g * span + j - lo

@@ -5,6 +5,7 @@ the producer's side of the TMA ring."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -23,12 +24,13 @@ __all__ = [
     "floor_div",
     "imax",
     "imin",
-    "lengths_of",
     "load_plgpu",
     "produce",
     "ring_steps",
     "sequence_lengths",
+    "sequence_of",
     "slot_of",
+    "split_refs",
     "union",
     "visible",
     "within",
@@ -109,12 +111,32 @@ def zero_padding(x, lengths):
     return jnp.where((rows[None, :] < lengths[:, None])[:, :, None, None], x, 0)
 
 
-def lengths_of(lengths_ref, b, q_rows: int, kv_rows: int):
-    """(q_len, kv_len) of sequence `b` inside a kernel: scalars read from the lengths
-    array (`sequence_lengths`' `[2, B]`), or the static row counts without one."""
+class Sequence(NamedTuple):
+    """One sequence's extent inside a kernel: `q_len` query rows and `kv_len` keys are
+    real, query row r sits at position `r + offset`; `kv_limit` is kv_len with lengths
+    (keys at or past it are padding) and None without (no key mask)."""
+
+    q_len: object
+    kv_len: object
+    offset: object
+    kv_limit: object
+
+
+def sequence_of(lengths_ref, b, q_rows: int, kv_rows: int) -> Sequence:
+    """Sequence `b`'s extent: scalars read from the lengths array (`sequence_lengths`'
+    `[2, B]`), or the static row counts (Python ints) when `lengths_ref` is None."""
     if lengths_ref is None:
-        return q_rows, kv_rows
-    return lengths_ref[0, b], lengths_ref[1, b]
+        return Sequence(q_rows, kv_rows, kv_rows - q_rows, None)
+    q_len, kv_len = lengths_ref[0, b], lengths_ref[1, b]
+    return Sequence(q_len, kv_len, kv_len - q_len, kv_len)
+
+
+def split_refs(refs, num_inputs: int, has_lengths: bool):
+    """A kernel's refs as (inputs, lengths ref or None, the rest): the lengths array, when
+    there is one, comes right after the `num_inputs` inputs."""
+    if not has_lengths:
+        return refs[:num_inputs], None, refs[num_inputs:]
+    return refs[:num_inputs], refs[num_inputs], refs[num_inputs + 1 :]
 
 
 def ring_steps(blocks_of):

@@ -49,12 +49,13 @@ from pallas_kernels.mosaic.common import (
     clip,
     floor_div,
     imin,
-    lengths_of,
     load_plgpu,
     produce,
     ring_steps,
     sequence_lengths,
+    sequence_of,
     slot_of,
+    split_refs,
     visible,
     within,
     zero_padding,
@@ -116,11 +117,9 @@ def _kernel(
 ):
     # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
     # (`sequence_lengths`); out [B, Tq, Hq, D]; lse [B, Hq, Tq] float32, natural log.
-    if has_lengths:
-        q_ref, k_ref, v_ref, lengths_ref, out_ref, lse_ref, smem, barriers = refs
-    else:
-        q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers = refs
-        lengths_ref = None
+    (q_ref, k_ref, v_ref), lengths_ref, (out_ref, lse_ref, smem, barriers) = split_refs(
+        refs, 3, has_lengths
+    )
     plgpu = load_plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
@@ -131,9 +130,7 @@ def _kernel(
     num_blocks = kv_rows // block_kv
 
     b = lax.axis_index("batch")
-    q_len, kv_len = lengths_of(lengths_ref, b, q_rows, kv_rows)
-    offset = kv_len - q_len  # query row r sits at position r + offset
-    kv_limit = kv_len if has_lengths else None  # keys at or past it are padding
+    q_len, _, offset, kv_limit = sequence_of(lengths_ref, b, q_rows, kv_rows)
     mask_needed = causal or window is not None or has_lengths
     h = lax.axis_index("heads")
     kvh = h // group
