@@ -51,7 +51,8 @@ test-gpu-rest:
 # The Hopper (Mosaic GPU) kernels' own files alone (also part of test-gpu-rest): a quick
 # check on another sm90 kind (H200).
 test-gpu-mosaic:
-	$(GPU_PYTEST) tests/test_mosaic.py tests/test_mosaic_backward.py tests/test_mosaic_lengths.py
+	$(GPU_PYTEST) tests/test_mosaic.py tests/test_mosaic_backward.py tests/test_mosaic_lengths.py \
+		tests/test_mosaic_packed.py
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run

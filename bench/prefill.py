@@ -384,10 +384,9 @@ def prefill_set(settings: Settings) -> SetResult:
 
 def packed_set(settings: Settings) -> SetResult:
     """Packed mixed-length sequences (`ragged_attention`) against our dense kernel: the
-    Triton kernel in the `ours` rows (forced on the dense and padded rows, as the packed
-    row only runs on it), so their ratios measure packing, not a change of kernel; then
-    `ours auto` rows for the dense and padded shapes (the Hopper kernel on sm90, lengths
-    included)."""
+    Triton kernel forced in the `ours` rows, so their ratios measure packing, not a change
+    of kernel; then `ours auto` rows for the packed, dense and padded shapes (what the
+    heuristic picks: the Hopper kernel on sm90, packed and lengths included)."""
     from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
     heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
@@ -493,7 +492,11 @@ def packed_set(settings: Settings) -> SetResult:
                           fn=fn, arg_sets=arg_sets, ref=ref, tol=TOLERANCES[heads.dtype],
                           work=flops, notes=notes)  # fmt: skip
 
+    packed_sets = [(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets]
     auto_rows = [
+        auto_row(
+            packed.label, _ours_packed(causal=True)(None), packed_sets, packed_ref, real_flops
+        ),
         auto_row(dense.label, _ours_dense(causal=True)(None), dense_sets, dense_ref, dense_flops),
         auto_row(
             padded_shape,

@@ -33,11 +33,18 @@ from jaxattn.dispatch import run_first
 from jaxattn.parallel import ring
 from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, SEQUENCE, Out, like, run_sharded
 from jaxattn.positional import RelativeBias
+from pallas_kernels.batch import Batch, packed_batch
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
-from pallas_kernels.flash_prefill.kernel import Batch, LogitParams
-from pallas_kernels.mosaic import mosaic_backward, mosaic_forward, select_backward, select_forward
+from pallas_kernels.flash_prefill.kernel import LogitParams
+from pallas_kernels.mosaic import (
+    mosaic_backward,
+    mosaic_forward,
+    mosaic_forward_packed,
+    select_backward,
+    select_forward,
+)
 
 __all__ = ["attention", "ragged_attention"]
 
@@ -93,19 +100,7 @@ def _reference(static: _Static, qkv, lengths, extras, out_scale=None):
 def _batch(static: _Static, q, k, lengths) -> Batch:
     """Lengths (dense) or placement (packed) of the sequences, for the kernel."""
     if static.packed:
-        cu_q, cu_k = (x.astype(jnp.int32) for x in lengths)
-        # One extra pseudo-sequence owns the trailing padding rows: no keys, so zeros.
-        # (Its keys likewise: the trailing key rows, whose dK/dV the backward zeroes.)
-        q_len, kv_len = jnp.append(jnp.diff(cu_q), 0), jnp.append(jnp.diff(cu_k), 0)
-        return Batch(
-            q_len=q_len,
-            kv_len=kv_len,
-            q_start=jnp.append(cu_q[:-1], cu_q[-1]),
-            q_rows=q_len.at[-1].set(q.shape[0] - cu_q[-1]),
-            k_start=cu_k,
-            k_rows=kv_len.at[-1].set(k.shape[0] - cu_k[-1]),
-            dense=False,
-        )
+        return packed_batch(*lengths, q.shape[0], k.shape[0])
     q_len, kv_len = lengths
     return Batch(q_len=q_len, kv_len=kv_len)
 
@@ -207,7 +202,8 @@ def _pallas_local(
     lengths = (len_q, len_k)
     backend, tiling = forward_backend(static, config, q, k, (alibi, bias, mask, rel_table))
     if backend == "mosaic":
-        out, lse = mosaic_forward(
+        run = mosaic_forward_packed if static.packed else mosaic_forward
+        out, lse = run(
             q, k, v, *lengths, causal=static.causal, window=static.window,
             soft_cap=static.soft_cap, scale=static.scale, config=tiling,
         )  # fmt: skip

@@ -166,11 +166,13 @@ def assert_range_matches(bounds, any_seen, all_seen, where: str):
 @pytest.mark.parametrize(
     "causal, window", [(True, None), (False, 37), (True, 37), (True, 300), (False, None)]
 )
-@pytest.mark.parametrize("kv_len", [None, 100, 150])
-def test_block_range_matches_visibility(causal, window, kv_len):
+@pytest.mark.parametrize("kv_len, kv_first", [(None, None), (100, None), (150, None),
+                                               (100, 5), (150, 7), (3, 5)])  # fmt: skip
+def test_block_range_matches_visibility(causal, window, kv_len, kv_first):
     """Every block holding a visible key is in [lo, hi); blocks in [full_lo, full_hi) are
     fully visible to every row; [lo, hi) is the tightest range. With lengths keys at or
-    past kv_len are padding, and a consumer may hold no real row (last < first)."""
+    past kv_len are padding, and a consumer may hold no real row (last < first); in a
+    packed batch keys below kv_first are too (the sequence before's)."""
     if kv_len is None and not causal and window is None:
         pytest.skip("no mask: every block, nothing to check")
     block, num_blocks = 16, 12
@@ -185,6 +187,8 @@ def test_block_range_matches_visibility(causal, window, kv_len):
                 visible &= keys[None, :] > pos - window
             if kv_len is not None:
                 visible &= keys[None, :] < kv_len
+            if kv_first is not None:
+                visible &= keys[None, :] >= kv_first
             per_block = visible.reshape(rows, num_blocks, block)
             any_seen = np.flatnonzero(per_block.any(axis=(0, 2)))
             all_seen = per_block.all(axis=(0, 2)) & (rows > 0)
@@ -198,6 +202,7 @@ def test_block_range_matches_visibility(causal, window, kv_len):
                     num_blocks=num_blocks,
                     block_kv=block,
                     kv_len=None if kv_len is None else jnp.int32(kv_len),
+                    kv_first=None if kv_first is None else jnp.int32(kv_first),
                 )  # fmt: skip
             )
             where = f"rows {first}..{first + rows - 1}"

@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
 from pallas_kernels import rope_read
+from pallas_kernels.batch import Batch
 from pallas_kernels.cache_read import CacheFormat
 from pallas_kernels.common import (
     next_power_of_2,
@@ -65,36 +66,6 @@ from pallas_kernels.tiles import (
     packed_grid,
     packed_tile_table,
 )
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """Where each sequence's queries and keys are in the packed `[T, H, D]` views.
-
-    Dense batches (`dense=True`): sequence b owns query rows `b*Tq : (b+1)*Tq` and keys
-    `b*Tk : (b+1)*Tk`, of which the first `q_len[b]` / `kv_len[b]` are real; rows past
-    `q_len[b]` output zeros. Packed batches: sequence b owns query rows
-    `q_start[b] : q_start[b] + q_rows[b]` (the first `q_len[b]` real) and keys
-    `k_start[b] : k_start[b] + kv_len[b]`; `k_rows[b]` (optional, >= kv_len[b]) says how
-    many key rows from `k_start[b]` it owns for the backward's dK/dV (zeros past kv_len:
-    the trailing padding keys of a packed batch). `k_cols[b]` (optional, forward only):
-    the bias/mask column of its key 0 in packed coordinates (default `k_start[b]`; with a
-    cached prefix the packed keys start at the prefix, the columns need not).
-
-    All arrays int32 `[S]`; `q_start`, `q_rows`, `k_start` are None for dense batches, and
-    so are `q_len` / `kv_len` when every sequence is full (the kernel then has static
-    loop bounds).
-    """
-
-    q_len: Int[Array, " S"] | None = None
-    kv_len: Int[Array, " S"] | None = None
-    q_start: Int[Array, " S"] | None = None
-    q_rows: Int[Array, " S"] | None = None
-    k_start: Int[Array, " S"] | None = None
-    k_rows: Int[Array, " S"] | None = None
-    k_cols: Int[Array, " S"] | None = None
-    dense: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass

@@ -6,7 +6,7 @@ calls they cover, and the dispatcher falls back to the Triton kernels for the re
 
 from pallas_kernels.mosaic.backward import mosaic_backward
 from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
-from pallas_kernels.mosaic.forward import mosaic_forward
+from pallas_kernels.mosaic.forward import mosaic_forward, mosaic_forward_packed
 from pallas_kernels.mosaic.support import (
     backward_unsupported,
     device_unsupported,
@@ -23,6 +23,7 @@ __all__ = [
     "forward_unsupported",
     "mosaic_backward",
     "mosaic_forward",
+    "mosaic_forward_packed",
     "select_backward",
     "select_forward",
 ]

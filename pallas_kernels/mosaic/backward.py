@@ -149,7 +149,8 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
     dtype = q_ref.dtype
     num_blocks = kv_rows // block_kv
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    q_len, _, offset, kv_limit = sequence_of(lengths_ref, b, q_rows, kv_rows)
+    seq = sequence_of(lengths_ref, b, q_rows, kv_rows)
+    q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
     kvh = h // group
     tile = lax.axis_index("tiles")
     if causal:  # the last query tiles see the most keys: launch them first
@@ -249,7 +250,8 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
     dtype = q_ref.dtype
     num_blocks = q_rows // block_q
     b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    q_len, _, offset, kv_limit = sequence_of(lengths_ref, b, q_rows, kv_rows)
+    seq = sequence_of(lengths_ref, b, q_rows, kv_rows)
+    q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
     tile = lax.axis_index("tiles")
 
     def blocks_of(consumer):

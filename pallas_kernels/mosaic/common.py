@@ -20,7 +20,10 @@ __all__ = [
     "CONSUMERS",
     "CONSUMER_REGISTERS",
     "PRODUCER_REGISTERS",
+    "Sequence",
+    "Tile",
     "clip",
+    "dense_tile",
     "floor_div",
     "imax",
     "imin",
@@ -73,11 +76,12 @@ def slot_of(step, stages: int):
     return step % stages if isinstance(step, int) else lax.rem(step, stages)
 
 
-def visible(pos, key, *, causal: bool, window: int | None, kv_len=None):
+def visible(pos, key, *, causal: bool, window: int | None, kv_len=None, kv_first=None):
     """Whether the query at position `pos` sees the key at `key` (arrays of one shape):
     causal (key <= pos), within the window (key > pos - window) and, with lengths, a
-    real key (key < kv_len). At least one of the three is set."""
-    conditions = []
+    real key (key < kv_len, and key >= kv_first where given: a packed sequence's keys
+    start there). At least one of them is set."""
+    conditions = [] if kv_first is None else [key >= kv_first]
     if causal:
         conditions.append(key <= pos)
     if window is not None:
@@ -114,12 +118,14 @@ def zero_padding(x, lengths):
 class Sequence(NamedTuple):
     """One sequence's extent inside a kernel: `q_len` query rows and `kv_len` keys are
     real, query row r sits at position `r + offset`; `kv_limit` is kv_len with lengths
-    (keys at or past it are padding) and None without (no key mask)."""
+    (keys at or past it are padding) and None without (no key mask). `kv_first` (packed
+    batches): keys below it belong to the sequence before (`packed.py`)."""
 
     q_len: object
     kv_len: object
     offset: object
     kv_limit: object
+    kv_first: object = None
 
 
 def sequence_of(lengths_ref, b, q_rows: int, kv_rows: int) -> Sequence:
@@ -131,9 +137,32 @@ def sequence_of(lengths_ref, b, q_rows: int, kv_rows: int) -> Sequence:
     return Sequence(q_len, kv_len, kv_len - q_len, kv_len)
 
 
+class Tile(NamedTuple):
+    """Where a block's tile is. `data`: the batch index into the arrays (0 for a packed
+    batch, viewed as one sequence of all rows); `row`: the tile's first row (query rows,
+    or keys in the dK/dV kernel) within its sequence; `q_base`, `k_base`: the array rows
+    of the sequence's query row 0 and key 0 (0 in a dense batch; in a packed one,
+    multiples of 8 with the rows before the sequence as padding: `packed.py`); `seq`:
+    its extent; `store` (packed only, else None): where the tile's rows go
+    (`packed.STORE`'s values)."""
+
+    data: object
+    row: object
+    q_base: object
+    k_base: object
+    seq: Sequence
+    store: object = None
+
+
+def dense_tile(lengths_ref, b, row, q_rows: int, kv_rows: int) -> Tile:
+    """The tile of sequence `b` of a dense batch starting at row `row` of it."""
+    return Tile(b, row, 0, 0, sequence_of(lengths_ref, b, q_rows, kv_rows))
+
+
 def split_refs(refs, num_inputs: int, has_lengths: bool):
-    """A kernel's refs as (inputs, lengths ref or None, the rest): the lengths array, when
-    there is one, comes right after the `num_inputs` inputs."""
+    """A kernel's refs as (inputs, lengths ref or None, the rest): the lengths array (or a
+    packed batch's tile table), when there is one, comes right after the `num_inputs`
+    inputs."""
     if not has_lengths:
         return refs[:num_inputs], None, refs[num_inputs:]
     return refs[:num_inputs], refs[num_inputs], refs[num_inputs + 1 :]

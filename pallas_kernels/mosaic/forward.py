@@ -41,19 +41,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.batch import packed_batch
 from pallas_kernels.common import LN2, LOG2E, MASK_VALUE
 from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
     clip,
+    dense_tile,
     floor_div,
+    imax,
     imin,
     load_plgpu,
     produce,
     ring_steps,
     sequence_lengths,
-    sequence_of,
     slot_of,
     split_refs,
     visible,
@@ -61,6 +63,13 @@ from pallas_kernels.mosaic.common import (
     zero_padding,
 )
 from pallas_kernels.mosaic.config import MosaicForwardConfig
+from pallas_kernels.mosaic.packed import (
+    IN_PLACE,
+    merge_tails,
+    packed_tile,
+    tail_rows,
+    tile_table,
+)
 
 # The running maximum starts here, above the masked logits (MASK_VALUE): a masked key's
 # weight exp2(MASK_VALUE - m) is 0 even before the row has seen a key, so a row that
@@ -68,13 +77,18 @@ from pallas_kernels.mosaic.config import MosaicForwardConfig
 _NO_KEY = 0.5 * MASK_VALUE
 
 
-def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv, kv_len=None):
+def block_range(
+    first_pos, last_pos, *, causal, window, num_blocks, block_kv, kv_len=None, kv_first=None
+):
     """(lo, hi, full_lo, full_hi): the key blocks `[lo, hi)` holding a key visible to some
     row at positions `first_pos..last_pos` (int32 scalars), and the blocks `[full_lo,
     full_hi)` whose keys every such row sees (no mask needed). `kv_len`: with lengths,
     the sequence's key count (no key at or past it is visible); rows then may be none
-    (`last_pos < first_pos`: an empty range). Plain integer arithmetic: runs in kernels
-    and in tests alike; bounds that do not depend on the rows stay Python ints."""
+    (`last_pos < first_pos`: an empty range). `kv_first` (with `kv_len`): keys below it
+    are not the sequence's (fewer than `block_kv` of them: only the first block needs
+    the mask).
+    Plain integer arithmetic: runs in kernels and in tests alike; bounds that do not
+    depend on the rows stay Python ints."""
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:
@@ -88,6 +102,10 @@ def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv, kv
         full_hi = imin(full_hi, floor_div(kv_len, block_kv))
         some = last_pos >= first_pos  # some row, and (window) some key below kv_len
         some = some if window is None else some & (first_pos - window + 1 < kv_len)
+        if kv_first is not None:  # packed: the sequence's keys are [kv_first, kv_len)
+            some = some & (kv_len > kv_first)
+            some = some & (last_pos >= kv_first) if causal else some
+            full_lo = imax(full_lo, floor_div(kv_first + block_kv - 1, block_kv))
         hi = jnp.where(some, hi, 0)
     lo = imin(lo, hi)
     full_lo = clip(full_lo, lo, hi)
@@ -95,18 +113,20 @@ def block_range(first_pos, last_pos, *, causal, window, num_blocks, block_kv, kv
     return lo, hi, full_lo, full_hi
 
 
-def key_blocks(first_row, rows: int, *, q_len, offset, kv_len, **range_options):
+def key_blocks(first_row, rows: int, *, q_len, offset, kv_len, kv_first=None, **range_options):
     """`block_range` of a consumer's query rows `first_row .. first_row + rows - 1`: those
     before `q_len` (the rest are padding), at positions `row + offset`; `kv_len`: None
     without lengths. The forward's and the dQ kernel's consumers take their key blocks
     from here."""
     last = imin(first_row + rows, q_len) - 1  # the last real row
-    return block_range(first_row + offset, last + offset, kv_len=kv_len, **range_options)
+    first, last = first_row + offset, last + offset
+    return block_range(first, last, kv_len=kv_len, kv_first=kv_first, **range_options)
 
 
 def _kernel(
     *refs,
     has_lengths: bool,
+    packed: bool,
     causal: bool,
     window: int | None,
     soft_cap: float | None,
@@ -117,9 +137,10 @@ def _kernel(
 ):
     # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
     # (`sequence_lengths`); out [B, Tq, Hq, D]; lse [B, Hq, Tq] float32, natural log.
-    (q_ref, k_ref, v_ref), lengths_ref, (out_ref, lse_ref, smem, barriers) = split_refs(
-        refs, 3, has_lengths
-    )
+    # Packed (B = 1): the tile table instead of the lengths (`packed.tile_table`), and
+    # after out and lse their tails [S, rows, Hq, D] and [S, Hq, rows] (`packed.py`).
+    (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
+    out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
@@ -127,24 +148,28 @@ def _kernel(
     _, q_rows, _, head_dim = q_ref.shape
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
-    num_blocks = kv_rows // block_kv
+    num_blocks = pl.cdiv(kv_rows, block_kv)
+    ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
 
-    b = lax.axis_index("batch")
-    q_len, _, offset, kv_limit = sequence_of(lengths_ref, b, q_rows, kv_rows)
-    mask_needed = causal or window is not None or has_lengths
+    if packed:  # heaviest tiles first, by the table's order
+        tile = packed_tile(lengths_ref, lax.axis_index("q_tiles"))
+    else:  # heaviest tiles (the last rows of a causal mask) first
+        t = lax.axis_index("q_tiles")
+        t = num_tiles - 1 - t if causal else t
+        tile = dense_tile(lengths_ref, lax.axis_index("batch"), t * config.rows, q_rows, kv_rows)
+    b = tile.data
+    q_len, _, offset, kv_limit, kv_first = tile.seq
+    mask_needed = causal or window is not None or ragged
     h = lax.axis_index("heads")
     kvh = h // group
-    # Heaviest tiles (the last rows of a causal mask) first.
-    tile = lax.axis_index("q_tiles")
-    tile = num_tiles - 1 - tile if causal else tile
     wg = lax.axis_index("wg")
 
-    def rows_of(consumer):  # first query row of a consumer warpgroup
-        return tile * config.rows + consumer * block_q
+    def rows_of(consumer):  # first query row of a consumer warpgroup, in its sequence
+        return tile.row + consumer * block_q
 
     def blocks_of(consumer):
         return key_blocks(rows_of(consumer), block_q, q_len=q_len, offset=offset,
-                          kv_len=kv_limit, causal=causal, window=window,
+                          kv_len=kv_limit, kv_first=kv_first, causal=causal, window=window,
                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
     lo, hi = ring_steps(blocks_of)  # the producer loads the union of both consumers' blocks
@@ -160,7 +185,7 @@ def _kernel(
         first_row = rows_of(wg)
         my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         plgpu.copy_gmem_to_smem(
-            q_ref.at[b, pl.ds(first_row, block_q), h], qo_smem, q_barriers.at[wg]
+            q_ref.at[b, pl.ds(tile.q_base + first_row, block_q), h], qo_smem, q_barriers.at[wg]
         )
         plgpu.barrier_wait(q_barriers.at[wg])
 
@@ -192,7 +217,8 @@ def _kernel(
             j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
             pos = r + (first_row + offset)
             key = j + step * block_kv
-            seen = visible(pos, key, causal=causal, window=window, kv_len=kv_limit)
+            seen = visible(pos, key, causal=causal, window=window, kv_len=kv_limit,
+                           kv_first=kv_first)  # fmt: skip
             return jnp.where(seen, s, MASK_VALUE)
 
         def softmax(qk, step, masked: bool, m, l):
@@ -259,7 +285,7 @@ def _kernel(
         seen = m > _NO_KEY  # rows that saw a key
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        if has_lengths:  # padding rows: zeros (their q may be anything, NaN included)
+        if ragged:  # padding rows: zeros (their q may be anything, NaN included)
             r = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=wgmma_layout)
             real = r < q_len - first_row
             out = jnp.where(real, out, 0.0)
@@ -267,8 +293,18 @@ def _kernel(
         qo_smem[...] = out.astype(dtype)
         lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(first_row, block_q), h])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(first_row, block_q)])
+
+        def store(outs, lses, seq, rows):
+            plgpu.copy_smem_to_gmem(qo_smem, outs.at[seq, pl.ds(rows, block_q), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lses.at[seq, h, pl.ds(rows, block_q)])
+
+        if not packed:
+            store(out_ref, lse_ref, b, first_row)
+        else:  # in place, or (a tile cut by its sequence's start or end) into a tail
+            at_array = functools.partial(store, out_ref, lse_ref, b, tile.q_base + first_row)
+            at_tail = functools.partial(store, *tail_refs, tile.store, wg * block_q)
+            pl.when(tile.store == IN_PLACE)(at_array)
+            pl.when(tile.store >= 0)(at_tail)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
@@ -279,7 +315,7 @@ def _kernel(
             """K then V of block `step` into its slot, each copy once its own slot is free
             (`wait`): the next K can land while the consumers still read this V."""
             slot = slot_of(step, stages)
-            rows = (b, pl.ds(step * block_kv, block_kv), kvh)
+            rows = (b, pl.ds(tile.k_base + step * block_kv, block_kv), kvh)
             for src, dst, loaded, consumed in ((k_ref, k_smem, k_loaded, k_consumed),
                                                (v_ref, v_smem, v_loaded, v_consumed)):  # fmt: skip
                 if wait:
@@ -289,7 +325,10 @@ def _kernel(
         produce(lo, hi, stages, load)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
+_STATIC = ("causal", "window", "soft_cap", "scale", "config")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_forward(
     q,
     k,
@@ -322,18 +361,83 @@ def mosaic_forward(
       out `[B, Tq, Hq, D]` in q's dtype and the natural log-sum-exp float32 `[B, Hq, Tq]`
       (-inf for rows that see no key and for padding rows, whose output is zeros).
     """
-    plgpu = load_plgpu()
-    batch, q_rows, num_q_heads, head_dim = q.shape
-    kv_rows, num_kv_heads = k.shape[1], k.shape[2]
+    batch, q_rows, _, head_dim = q.shape
+    kv_rows = k.shape[1]
     config = config or MosaicForwardConfig.heuristic(head_dim)
     if not q_rows or not kv_rows or q_rows % config.rows or kv_rows % config.block_kv:
         raise ValueError(
             f"mosaic_forward: {q.shape=}, {k.shape=}: Tq must be a positive multiple of "
             f"{config.rows} and Tk of {config.block_kv} ({config})"
         )
-    dtype = q.dtype
     lengths = sequence_lengths(q_lengths, kv_lengths, batch, q_rows, kv_rows)
-    inputs = (q, k, v) if lengths is None else (q, k, zero_padding(v, lengths[1]), lengths)
+    if lengths is not None:
+        v = zero_padding(v, lengths[1])
+    num_tiles = q_rows // config.rows
+    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    return _launch(q, k, v, lengths, grid=(num_tiles, batch), config=config, **options)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mosaic_forward_packed(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    scale: float = 1.0,
+    config: MosaicForwardConfig | None = None,
+):
+    """Flash attention of a packed batch on Hopper (`jaxattn.ragged_attention`'s layout).
+
+    Args:
+      q: `[Tq, Hq, D]`, sequence b owning rows `cu_seqlens_q[b] : cu_seqlens_q[b + 1]`;
+        rows past `cu_seqlens_q[-1]` are padding (zeros out). k, v: `[Tk, Hkv, D]` by
+        `cu_seqlens_k` likewise. Any Tq, Tk; dtypes and D as `mosaic_forward`'s.
+      cu_seqlens_q, cu_seqlens_k: int `[B + 1]`, non-decreasing from 0. Query row i of
+        sequence b sits at position `i + kv_len[b] - q_len[b]` (bottom-right aligned).
+        Padding rows may hold anything (one XLA pass zeroes v's past `cu_seqlens_k[-1]`).
+      causal, window, soft_cap, scale, config: as `mosaic_forward`'s.
+
+    Returns:
+      out `[Tq, Hq, D]` in q's dtype, lse float32 `[Hq, Tq]` (as `mosaic_forward`'s).
+
+    A block per tile of `config.rows` rows of one sequence (`packed.tile_table`, heaviest
+    first), from the sequence's start rounded down to 8 rows; a tile cut by its
+    sequence's start or end is written to a tail array and its own rows scattered into
+    place after the kernel (`packed.merge_tails`).
+    """
+    q_rows, _, head_dim = q.shape
+    kv_rows = k.shape[0]
+    config = config or MosaicForwardConfig.heuristic(head_dim)
+    if not q_rows or not kv_rows:
+        raise ValueError(f"mosaic_forward_packed: {q.shape=}, {k.shape=}: no rows")
+    batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
+    table = tile_table(batch, config.rows, q_rows, causal=causal, window=window)
+    v = zero_padding(v[None], batch.k_start[-1:])
+    num_slots = 2 * batch.q_len.shape[0]  # tail slots: two per sequence (`packed.py`)
+    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    out, lse, out_tail, lse_tail = _launch(
+        q[None], k[None], v, table, grid=(table.shape[0], 1), config=config,
+        num_tails=num_slots, **options,
+    )  # fmt: skip
+    where = tail_rows(batch.q_start, batch.q_rows, config.rows, q_rows)
+    out = merge_tails(out[0], out_tail, where)
+    return out, merge_tails(lse[0], lse_tail, where, axis=1)
+
+
+def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
+    """The kernel over `grid = (query tiles, batch)` of every query head: lengths is the
+    `[2, B]` lengths or None (dense), or the packed tile table (`num_tails` sequences)."""
+    plgpu = load_plgpu()
+    batch, q_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    dtype = q.dtype
+    packed = num_tails is not None
+    inputs = (q, k, v) if lengths is None else (q, k, v, lengths)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = config.num_stages
     smem = (
@@ -352,23 +456,27 @@ def mosaic_forward(
     )
     kernel = functools.partial(
         _kernel,
-        has_lengths=lengths is not None,
-        causal=causal,
-        window=window,
-        soft_cap=soft_cap,
-        scale=scale,
+        has_lengths=lengths is not None and not packed,
+        packed=packed,
         group=num_q_heads // num_kv_heads,
-        num_tiles=q_rows // config.rows,
+        num_tiles=grid[0],
         config=config,
+        **options,
     )
+    out_type = [
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct((batch, num_q_heads, q_rows), jnp.float32),
+    ]
+    if packed:  # the tiles cut by their sequence's start or end (`packed.py`)
+        out_type += [
+            jax.ShapeDtypeStruct((num_tails, config.rows, num_q_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((num_tails, num_q_heads, config.rows), jnp.float32),
+        ]
     return plgpu.kernel(
         kernel,
-        out_type=(
-            jax.ShapeDtypeStruct(q.shape, dtype),
-            jax.ShapeDtypeStruct((batch, num_q_heads, q_rows), jnp.float32),
-        ),
+        out_type=tuple(out_type),
         scratch_types=(smem, barriers),
-        grid=(num_q_heads, q_rows // config.rows, batch),
+        grid=(num_q_heads, *grid),
         grid_names=("heads", "q_tiles", "batch"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
@@ -376,4 +484,4 @@ def mosaic_forward(
     )(*inputs)
 
 
-__all__ = ["block_range", "key_blocks", "mosaic_forward"]
+__all__ = ["block_range", "key_blocks", "mosaic_forward", "mosaic_forward_packed"]

@@ -19,6 +19,9 @@ HEAD_DIMS = (64, 128, 256)
 # D256 in the backward: a block's Q and dO (or K and V) and a ring overflow shared memory.
 BACKWARD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# A packed batch's token counts must be multiples of this: TMA copies address the arrays in
+# tiles of 8 rows (Mosaic GPU refuses a row count that is not).
+PACKED_ROWS = 8
 
 
 def device_unsupported(device=None) -> str | None:
@@ -78,15 +81,12 @@ def _select(config, tiling, device, unsupported, *args, **features):
 def _options_unsupported(
     dtype,
     *,
-    packed: bool = False,
     sink_tokens: int = 0,
     terms: bool = False,
     out_fp8: bool = False,
 ) -> str | None:
     """The options neither Hopper kernel covers (the first one found), or None.
     `terms`: a bias, mask, ALiBi or T5 table. (Both cover q and kv lengths.)"""
-    if packed:
-        return "packed (cu_seqlens) batches"
     if sink_tokens:
         return "sink tokens"
     if terms:
@@ -98,12 +98,16 @@ def _options_unsupported(
     return None
 
 
-def forward_unsupported(q_shape, k_shape, dtype, *, config: MosaicForwardConfig, **options):
-    """None if `mosaic_forward` computes this call, else the first reason it cannot.
+def forward_unsupported(
+    q_shape, k_shape, dtype, *, config: MosaicForwardConfig, packed: bool = False, **options
+):
+    """None if `mosaic_forward` (or, `packed`, `mosaic_forward_packed`) computes this
+    call, else the first reason it cannot.
 
-    q_shape, k_shape: dense `[B, Tq, Hq, D]`, `[B, Tk, Hkv, D]` (or packed); options: the
-    call's `packed`, `sink_tokens`, `terms`, `out_fp8` (`_options_unsupported`). Causal,
-    window, soft-cap, scale, GQA and q/kv lengths are always covered.
+    q_shape, k_shape: dense `[B, Tq, Hq, D]`, `[B, Tk, Hkv, D]`, or packed `[Tq, Hq, D]`,
+    `[Tk, Hkv, D]`; options: the call's `sink_tokens`, `terms`, `out_fp8`
+    (`_options_unsupported`). Causal, window, soft-cap, scale, GQA and q/kv lengths are
+    always covered.
     """
     why = _options_unsupported(dtype, **options)
     if why is not None:
@@ -111,6 +115,10 @@ def forward_unsupported(q_shape, k_shape, dtype, *, config: MosaicForwardConfig,
     head_dim = q_shape[-1]
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
+    if packed:  # TMA reads rows in tiles of PACKED_ROWS: the arrays must hold whole ones
+        if q_shape[0] % PACKED_ROWS or k_shape[0] % PACKED_ROWS:
+            return f"packed Tq={q_shape[0]}, Tk={k_shape[0]}: multiples of {PACKED_ROWS}"
+        return _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows:
         return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
@@ -119,9 +127,13 @@ def forward_unsupported(q_shape, k_shape, dtype, *, config: MosaicForwardConfig,
     return _smem_unsupported(config, head_dim, dtype)
 
 
-def backward_unsupported(q_shape, k_shape, dtype, *, config: MosaicBackwardConfig, **options):
+def backward_unsupported(
+    q_shape, k_shape, dtype, *, config: MosaicBackwardConfig, packed: bool = False, **options
+):
     """None if `mosaic_backward` computes this gradient, else the first reason it cannot
     (the arguments as `forward_unsupported`'s)."""
+    if packed:
+        return "packed (cu_seqlens) batches in the backward"
     why = _options_unsupported(dtype, **options)
     if why is not None:
         return why

@@ -1,0 +1,257 @@
+"""Packed (`cu_seqlens`) batches on the Hopper (Mosaic GPU) forward.
+
+Sequence b owns query rows `cu_seqlens_q[b] : cu_seqlens_q[b + 1]` and keys
+`cu_seqlens_k[b] : cu_seqlens_k[b + 1]`; rows past `cu_seqlens_q[-1]` are padding (zeros,
+lse -inf). A block computes one tile of one sequence; a sequence's last tile, cut by its
+end, goes through a tail array scattered into place after the kernel (`packed.py`).
+
+On CPU: the tile table and the tails place every row exactly once, in its own sequence's
+tile at its own row (the invariant that keeps blocks from overwriting each other's rows);
+the kernel lowers for CUDA; the selection logic. On an sm90 GPU: the kernel against the
+float64 oracle with the padding past `cu_seqlens[-1]` poisoned, and
+`jaxattn.ragged_attention` taking it (its gradient through the Triton backward).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import util
+from oracle import ragged_attention_oracle
+from test_mosaic import hopper_only
+
+import jaxattn
+from pallas_kernels.batch import packed_batch
+from pallas_kernels.mosaic import (
+    MosaicForwardConfig,
+    backward_unsupported,
+    forward_unsupported,
+    mosaic_forward_packed,
+)
+from pallas_kernels.mosaic.packed import (
+    IN_PLACE,
+    LEAD_K,
+    NOWHERE,
+    ROW_ALIGN,
+    STORE,
+    merge_tails,
+    tail_rows,
+    tile_table,
+)
+from pallas_kernels.tiles import _K_START, _KV_LEN, _Q_LEN, _Q_START, _ROW, _SEQ
+
+attention_module = importlib.import_module("jaxattn.attention")
+LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _many(n: int, seed: int, most: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(1, most, n))
+
+
+# (Tq, Tk, Hq, Hkv, D, causal, window, soft_cap, q_lens, kv_lens): Tq, Tk the arrays'
+# rows (multiples of 8), at least the sums of the lengths.
+CASES = [
+    (640, 640, 8, 2, 128, True, None, None, (100, 200, 1, 255), (100, 200, 1, 255)),
+    (640, 1024, 4, 4, 64, False, None, None, (300, 0, 129, 128), (500, 77, 129, 200)),
+    (384, 384, 4, 2, 128, True, 50, 30.0, (3, 250, 64, 64), (10, 250, 64, 60)),
+    (256, 256, 4, 2, 128, True, None, None, (200, 40), (100, 40)),  # rows that see no key
+    (256, 256, 4, 2, 64, True, None, None, (256,), (256,)),  # no padding, whole tiles
+    (512, 512, 4, 2, 128, True, None, None, _many(24, 0, 20), _many(24, 0, 20)),
+    (256, 256, 4, 1, 256, True, None, None, (57, 199), (57, 199)),  # D256
+    # Sequence starts off the 8-row grid, queries and keys apart.
+    (520, 520, 4, 2, 128, True, None, None, (3, 130, 1, 127, 128, 9), (5, 121, 2, 7, 256, 9)),
+]
+
+
+def _opts(case):
+    *_, d, causal, window, cap, _, _ = case
+    return dict(causal=causal, window=window, soft_cap=cap, scale=d**-0.5)
+
+
+def _cu(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _inputs(case, dtype, poison_kind="nan"):
+    """(clean q, k, v; poisoned q, k, v; cu_q, cu_k): the poisoned copies hold NaN (or a
+    huge finite value) in every row past the last sequence."""
+    tq, tk, hq, hkv, d, *_, q_lens, kv_lens = case
+    rng = util.rng_for("mosaic packed", case, dtype)
+    q = util.randn(rng, (tq, hq, d), dtype)
+    k, v = (util.randn(rng, (tk, hkv, d), dtype) for _ in range(2))
+    cu_q, cu_k = _cu(q_lens), _cu(kv_lens)
+    value = util.poison_value(dtype, poison_kind)
+
+    def poison(x, used):
+        pad = (jnp.arange(x.shape[0]) >= used)[:, None, None]
+        return jnp.where(pad, value, x).astype(x.dtype)
+
+    bad = (poison(q, cu_q[-1]), poison(k, cu_k[-1]), poison(v, cu_k[-1]))
+    return (q, k, v), bad, (jnp.asarray(cu_q), jnp.asarray(cu_k))
+
+
+# ------------------------------------------------------------------ placement (CPU)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 50)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[8])}seqs-T{c[0]}")
+def test_tiles_and_tails_place_every_row_once(case, causal, window):
+    """Every row of the arrays is written exactly once: by a tile of its own sequence (in
+    place, or through a tail slot) holding it at its own row, or, past the last sequence,
+    by the padding's tiles (zeros); tiles start at multiples of 8 rows and their
+    sequence's lengths count the rows and keys before its start as padding; spare tiles
+    write nothing."""
+    tq, tk, *_, q_lens, kv_lens = case
+    rows = 128
+    cu_q, cu_k = _cu(q_lens), _cu(kv_lens)
+    batch = packed_batch(cu_q, cu_k, tq, tk)
+    table = np.asarray(tile_table(batch, rows, tq, causal=causal, window=window))
+    where = np.asarray(tail_rows(batch.q_start, batch.q_rows, rows, tq))
+    owner = np.searchsorted(cu_q, np.arange(tq), side="right") - 1  # [Tq]: its sequence
+    q_lens_all, kv_lens_all = list(q_lens) + [0], list(kv_lens) + [0]
+    written = np.zeros(tq, int)
+    slots_used = set()
+    for tile in table:
+        seq, row, store = tile[_SEQ], tile[_ROW] * ROW_ALIGN, tile[STORE]
+        if store == NOWHERE:
+            assert tile[_Q_LEN] == 0 and tile[_KV_LEN] == 0
+            continue
+        q_base, k_base = tile[_Q_START] * ROW_ALIGN, tile[_K_START] * ROW_ALIGN
+        lead_q, lead_k = cu_q[seq] - q_base, cu_k[seq] - k_base
+        assert 0 <= lead_q < ROW_ALIGN and 0 <= lead_k < ROW_ALIGN and row % rows == 0
+        assert tile[LEAD_K] == lead_k and tile[_KV_LEN] == kv_lens_all[seq] + lead_k
+        assert tile[_Q_LEN] == q_lens_all[seq] + lead_q
+        at = q_base + row + np.arange(rows)  # the tile's rows in the arrays
+        if store >= 0:  # a tail slot: its map sends exactly the sequence's rows home
+            assert store // 2 == seq and store not in slots_used
+            slots_used.add(store)
+            kept = where[store] < tq
+            mine = (at >= cu_q[seq]) & (at < cu_q[seq] + batch.q_rows[seq]) & (at < tq)
+            np.testing.assert_array_equal(kept, mine)
+            np.testing.assert_array_equal(where[store][kept], at[kept])
+            at = at[kept]
+        else:
+            assert store == IN_PLACE
+            at = at[at < tq]  # TMA drops rows past the arrays
+        np.testing.assert_array_equal(owner[at], np.minimum(seq, len(q_lens)))
+        written[at] += 1
+    unused = [s for s in range(where.shape[0]) if s not in slots_used]
+    assert (where[unused] == tq).all(), "a slot no tile writes must scatter nothing"
+    np.testing.assert_array_equal(written, 1)
+
+
+def test_merge_tails_moves_only_real_rows():
+    """Slot 2s (a sequence's first tile, from its start rounded down to 8 rows) and slot
+    2s + 1 (its last tile, cut by its end) send home only the sequence's own rows; slots
+    no tile writes send nothing; in-place rows stay."""
+    starts, lens = jnp.array([0, 5, 5, 13], jnp.int32), jnp.array([5, 0, 8, 3], jnp.int32)
+    where = np.asarray(tail_rows(starts, lens, 8, 16))
+    assert where.shape == (8, 8)
+    np.testing.assert_array_equal(where[1][:5], np.arange(5))  # seq 0: its cut last tile
+    assert (where[[0, 2, 3, 7]] == 16).all()  # aligned start; empty; the padding's end
+    np.testing.assert_array_equal(where[4][5:], [5, 6, 7])  # seq 2 from row 0: its head
+    np.testing.assert_array_equal(where[5][:5], [8, 9, 10, 11, 12])  # ... and its end
+    np.testing.assert_array_equal(where[6][5:], [13, 14, 15])  # the padding's head
+    x = jnp.zeros((16, 2, 3))
+    tail = jnp.arange(8 * 8 * 2 * 3, dtype=jnp.float32).reshape(8, 8, 2, 3) + 1
+    got = np.asarray(merge_tails(x, tail, jnp.asarray(where)))
+    np.testing.assert_array_equal(got[:5], np.asarray(tail[1, :5]))
+    np.testing.assert_array_equal(got[5:8], np.asarray(tail[4, 5:]))
+    np.testing.assert_array_equal(got[8:13], np.asarray(tail[5, :5]))
+    lse = merge_tails(jnp.zeros((2, 16)), jnp.moveaxis(tail[..., 0], 1, 2), jnp.asarray(where), 1)
+    np.testing.assert_array_equal(np.asarray(lse)[:, :16], np.asarray(got[..., 0]).T)
+
+
+# ------------------------------------------------------------------ lowering, selection (CPU)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["causal", "window-softcap"])
+def test_packed_forward_lowers_for_cuda(case):
+    tq, tk, hq, hkv, d, *_, q_lens, _ = case
+    q = jax.ShapeDtypeStruct((tq, hq, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((tk, hkv, d), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((len(q_lens) + 1,), jnp.int32)
+    fn = functools.partial(mosaic_forward_packed, **_opts(case))
+    text = jax.jit(fn).trace(q, k, k, cu, cu).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_support_takes_packed_forwards_of_whole_row_tiles():
+    config = MosaicForwardConfig()
+    ok = forward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
+                             packed=True)  # fmt: skip
+    assert ok is None
+    why = forward_unsupported((1001, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
+                              packed=True)  # fmt: skip
+    assert "multiples of 8" in why
+    why = backward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=None,
+                               packed=True)  # fmt: skip
+    assert "packed" in why
+
+
+# ------------------------------------------------------------------ the kernel (sm90)
+
+
+def _check(case, dtype, out, lse, clean, cu):
+    args = [util.f64(x) for x in clean]
+    want, want_lse = ragged_attention_oracle(*args, *cu, **_opts(case))
+    lowp_ref, _ = ragged_attention_oracle(*args, *cu, **_opts(case), lowp=LOWP[dtype])
+    util.assert_out_close(out, want, dtype, lowp_ref=lowp_ref)
+    util.assert_lse_close(lse, want_lse, dtype)
+    util.assert_zero_rows(out, np.isneginf(want_lse).T[..., None], "keyless and padding rows")
+
+
+@hopper_only
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{len(c[8])}")
+def test_packed_forward_matches_oracle(case, dtype, poison):
+    clean, bad, cu = _inputs(case, dtype, poison)
+    out, lse = jax.jit(functools.partial(mosaic_forward_packed, **_opts(case)))(*bad, *cu)
+    _check(case, dtype, out, lse, clean, cu)
+
+
+@hopper_only
+def test_packed_forward_config_variants():
+    case = CASES[0]
+    clean, bad, cu = _inputs(case, "bfloat16")
+    for block_kv, stages in ((64, 2), (64, 3), (64, 4)):  # (128, 2): the heuristic's
+        config = MosaicForwardConfig(block_kv=block_kv, num_stages=stages)
+        fn = functools.partial(mosaic_forward_packed, **_opts(case), config=config)
+        out, lse = jax.jit(fn)(*bad, *cu)
+        _check(case, "bfloat16", out, lse, clean, cu)
+
+
+@hopper_only
+def test_ragged_attention_takes_the_hopper_forward(monkeypatch):
+    """`jaxattn.ragged_attention` with `"pallas"` runs the packed Hopper forward; its
+    gradient (the Triton backward on the Hopper forward's residuals) matches the XLA
+    reference's."""
+    case = CASES[2]
+    clean, bad, cu = _inputs(case, "bfloat16")
+    calls = []
+    real = attention_module.mosaic_forward_packed
+
+    def spy(*args, **kw):
+        calls.append("mosaic_forward_packed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention_module, "mosaic_forward_packed", spy)
+    g = util.randn(util.rng_for("packed cotangent"), clean[0].shape, "bfloat16")
+
+    def loss(impl, q, k, v):
+        out = jaxattn.ragged_attention(q, k, v, *cu, implementation=impl, **_opts(case))
+        return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+
+    got = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2)))(*clean)
+    assert calls == ["mosaic_forward_packed"]
+    want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(*clean)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        assert err < 0.05, f"d{name}: {err}"
