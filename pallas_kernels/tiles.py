@@ -31,8 +31,8 @@ def packed_tile_table(batch, block: int, num_tiles: int, params, axis: str = "q"
     """int32 `[num_tiles, _NUM_COLS]`: tile t covers rows `_ROW : _ROW + block` of a
     sequence's query rows (`axis="q"`) or keys (`axis="kv"`).
 
-    `batch`: a packed `flash_prefill.Batch` (`k_rows` None: a sequence's key rows are its
-    `kv_len` keys). Tiles are sorted by their work (keys a query tile visits, query rows a
+    `batch`: a packed `pallas_kernels.batch.Batch` (`k_rows` None: a sequence's key rows
+    are its `kv_len` keys). Tiles are sorted by their work (keys a query tile visits, query rows a
     key tile serves), largest first, so the long causal tiles do not form the tail. Spare
     tiles come last, with a row past their sequence's end. Built from a few fused
     elementwise ops and one sort: this runs on every call, next to a kernel of a

@@ -2,8 +2,9 @@
 
 Sequence b owns query rows `cu_seqlens_q[b] : cu_seqlens_q[b + 1]` and keys
 `cu_seqlens_k[b] : cu_seqlens_k[b + 1]`; rows past `cu_seqlens_q[-1]` are padding (zeros,
-lse -inf). A block computes one tile of one sequence; a sequence's last tile, cut by its
-end, goes through a tail array scattered into place after the kernel (`packed.py`).
+lse -inf). A block computes one tile of one sequence, read from its start rounded down
+to 8 rows; the tiles cut by a sequence's start or end go through a tail array scattered
+into place after the kernel (`packed.py`).
 
 On CPU: the tile table and the tails place every row exactly once, in its own sequence's
 tile at its own row (the invariant that keeps blocks from overwriting each other's rows);

@@ -138,7 +138,7 @@ def sequence_of(lengths_ref, b, q_rows: int, kv_rows: int) -> Sequence:
 
 
 class Tile(NamedTuple):
-    """Where a block's tile is. `data`: the batch index into the arrays (0 for a packed
+    """Where a block's tile is. `batch`: the batch index into the arrays (0 for a packed
     batch, viewed as one sequence of all rows); `row`: the tile's first row (query rows,
     or keys in the dK/dV kernel) within its sequence; `q_base`, `k_base`: the array rows
     of the sequence's query row 0 and key 0 (0 in a dense batch; in a packed one,
@@ -146,7 +146,7 @@ class Tile(NamedTuple):
     its extent; `store` (packed only, else None): where the tile's rows go
     (`packed.STORE`'s values)."""
 
-    data: object
+    batch: object
     row: object
     q_base: object
     k_base: object

@@ -65,6 +65,7 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
+    ROW_ALIGN,
     merge_tails,
     packed_tile,
     tail_rows,
@@ -138,7 +139,7 @@ def _kernel(
     # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
     # (`sequence_lengths`); out [B, Tq, Hq, D]; lse [B, Hq, Tq] float32, natural log.
     # Packed (B = 1): the tile table instead of the lengths (`packed.tile_table`), and
-    # after out and lse their tails [S, rows, Hq, D] and [S, Hq, rows] (`packed.py`).
+    # after out and lse their tails [2S, rows, Hq, D] and [2S, Hq, rows] (`packed.py`).
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
@@ -157,7 +158,7 @@ def _kernel(
         t = lax.axis_index("q_tiles")
         t = num_tiles - 1 - t if causal else t
         tile = dense_tile(lengths_ref, lax.axis_index("batch"), t * config.rows, q_rows, kv_rows)
-    b = tile.data
+    b = tile.batch
     q_len, _, offset, kv_limit, kv_first = tile.seq
     mask_needed = causal or window is not None or ragged
     h = lax.axis_index("heads")
@@ -396,7 +397,8 @@ def mosaic_forward_packed(
     Args:
       q: `[Tq, Hq, D]`, sequence b owning rows `cu_seqlens_q[b] : cu_seqlens_q[b + 1]`;
         rows past `cu_seqlens_q[-1]` are padding (zeros out). k, v: `[Tk, Hkv, D]` by
-        `cu_seqlens_k` likewise. Any Tq, Tk; dtypes and D as `mosaic_forward`'s.
+        `cu_seqlens_k` likewise. Tq, Tk multiples of 8 (TMA moves 8-row tiles); dtypes
+        and D as `mosaic_forward`'s.
       cu_seqlens_q, cu_seqlens_k: int `[B + 1]`, non-decreasing from 0. Query row i of
         sequence b sits at position `i + kv_len[b] - q_len[b]` (bottom-right aligned).
         Padding rows may hold anything (one XLA pass zeroes v's past `cu_seqlens_k[-1]`).
@@ -413,8 +415,11 @@ def mosaic_forward_packed(
     q_rows, _, head_dim = q.shape
     kv_rows = k.shape[0]
     config = config or MosaicForwardConfig.heuristic(head_dim)
-    if not q_rows or not kv_rows:
-        raise ValueError(f"mosaic_forward_packed: {q.shape=}, {k.shape=}: no rows")
+    if not q_rows or not kv_rows or q_rows % ROW_ALIGN or kv_rows % ROW_ALIGN:
+        raise ValueError(
+            f"mosaic_forward_packed: {q.shape=}, {k.shape=}: Tq and Tk must be positive "
+            f"multiples of {ROW_ALIGN}"
+        )
     batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
     table = tile_table(batch, config.rows, q_rows, causal=causal, window=window)
     v = zero_padding(v[None], batch.k_start[-1:])
@@ -431,7 +436,7 @@ def mosaic_forward_packed(
 
 def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     """The kernel over `grid = (query tiles, batch)` of every query head: lengths is the
-    `[2, B]` lengths or None (dense), or the packed tile table (`num_tails` sequences)."""
+    `[2, B]` lengths or None (dense), or the packed tile table (`num_tails` tail slots)."""
     plgpu = load_plgpu()
     batch, q_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]

@@ -60,6 +60,14 @@ def _aligned(starts, rows):
     return starts - lead, lead, jnp.where(rows > 0, rows + lead, 0)
 
 
+def _cut(row, lead, grown, not_padding, block: int):
+    """(head, end): whether the tile at `row` of a sequence read from `lead` rows before
+    its start (`grown` rows from there) is cut by its start (a head: slot 2s) or else by
+    its end (an end: slot 2s + 1; never the padding's, whose end is the arrays')."""
+    head = (row == 0) & (lead > 0)
+    return head, not_padding & (row + block > grown) & ~head
+
+
 def tile_table(batch, block: int, num_rows: int, *, causal, window):
     """int32 `[tiles, _NUM_COLS + 2]`: `packed_tile_table`'s rows for `block`-row query
     tiles over `num_rows` rows, each sequence's rows and keys taken from ROW_ALIGN-aligned
@@ -83,8 +91,7 @@ def tile_table(batch, block: int, num_rows: int, *, causal, window):
     table = packed_tile_table(aligned, block, num_tiles, _Order(causal, window), "q")
     seq, row = table[:, _SEQ], table[:, _ROW]
     real = jnp.arange(num_tiles, dtype=jnp.int32) < table[:, _NUM_REAL]
-    head = (row == 0) & (lead_q[seq] > 0)
-    end = (seq < num_seqs - 1) & (row + block > table[:, _Q_ROWS]) & ~head
+    head, end = _cut(row, lead_q[seq], table[:, _Q_ROWS], seq < num_seqs - 1, block)
     store = jnp.where(head, 2 * seq, jnp.where(end, 2 * seq + 1, IN_PLACE))
     store = jnp.where(real, store, NOWHERE)
     table = table.at[:, _Q_LEN].set(jnp.where(real, table[:, _Q_LEN], 0))
@@ -100,7 +107,7 @@ def packed_tile(table_ref, t) -> Tile:
     rows and keys from the sequence's aligned starts, the ones before its start padding."""
     q_len, kv_len = table_ref[t, _Q_LEN], table_ref[t, _KV_LEN]
     return Tile(
-        data=0,
+        batch=0,
         row=table_ref[t, _ROW] * ROW_ALIGN,
         q_base=table_ref[t, _Q_START] * ROW_ALIGN,
         k_base=table_ref[t, _K_START] * ROW_ALIGN,
@@ -119,10 +126,11 @@ def tail_rows(starts, rows, block: int, num_rows: int):
     tiles = (grown + block - 1) // block
     i = jnp.arange(block, dtype=jnp.int32)[None, :]
     inside = lambda at: (at >= starts[:, None]) & (at < (starts + rows)[:, None])  # noqa: E731
-    head = (lead > 0) & (tiles > 0)
-    last = jnp.maximum(tiles - 1, 0) * block
-    real = jnp.arange(starts.shape[0]) < starts.shape[0] - 1
-    end = real & (grown % block != 0) & (tiles > 0) & ~(head & (tiles == 1))
+    last = jnp.maximum(tiles - 1, 0) * block  # the last tile's first row
+    not_padding = jnp.arange(starts.shape[0]) < starts.shape[0] - 1
+    head, _ = _cut(0, lead, grown, not_padding, block)  # the first tile's (tile_table's rule)
+    _, end = _cut(last, lead, grown, not_padding, block)  # the last tile's
+    head, end = head & (tiles > 0), end & (tiles > 0)
     head_at, end_at = base[:, None] + i, (base + last)[:, None] + i
     slots = [jnp.where(ok[:, None] & inside(at), at, num_rows)
              for ok, at in ((head, head_at), (end, end_at))]  # fmt: skip

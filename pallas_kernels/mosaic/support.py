@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import use_interpret
 from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
+from pallas_kernels.mosaic.packed import ROW_ALIGN
 
 HEAD_DIMS = (64, 128, 256)
 # D256 in the backward: a block's Q and dO (or K and V) and a ring overflow shared memory.
@@ -21,7 +22,7 @@ BACKWARD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # A packed batch's token counts must be multiples of this: TMA copies address the arrays in
 # tiles of 8 rows (Mosaic GPU refuses a row count that is not).
-PACKED_ROWS = 8
+PACKED_ROWS = ROW_ALIGN
 
 
 def device_unsupported(device=None) -> str | None:
