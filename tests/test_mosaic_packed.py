@@ -194,6 +194,11 @@ def test_support_takes_packed_forwards_of_whole_row_tiles():
     why = backward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=None,
                                packed=True)  # fmt: skip
     assert "packed" in why
+    q = jax.ShapeDtypeStruct((1001, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((904, 2, 128), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+    with pytest.raises(ValueError, match="multiples of 8"):  # called directly: a clear error
+        jax.jit(mosaic_forward_packed).trace(q, k, k, cu, cu)
 
 
 # ------------------------------------------------------------------ the kernel (sm90)
