@@ -20,9 +20,6 @@ HEAD_DIMS = (64, 128, 256)
 # D256 in the backward: a block's Q and dO (or K and V) and a ring overflow shared memory.
 BACKWARD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# A packed batch's token counts must be multiples of this: TMA copies address the arrays in
-# tiles of 8 rows (Mosaic GPU refuses a row count that is not).
-PACKED_ROWS = ROW_ALIGN
 
 
 def device_unsupported(device=None) -> str | None:
@@ -116,9 +113,9 @@ def forward_unsupported(
     head_dim = q_shape[-1]
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
-    if packed:  # TMA reads rows in tiles of PACKED_ROWS: the arrays must hold whole ones
-        if q_shape[0] % PACKED_ROWS or k_shape[0] % PACKED_ROWS:
-            return f"packed Tq={q_shape[0]}, Tk={k_shape[0]}: multiples of {PACKED_ROWS}"
+    if packed:  # TMA reads rows in tiles of ROW_ALIGN: the arrays must hold whole ones
+        if q_shape[0] % ROW_ALIGN or k_shape[0] % ROW_ALIGN:
+            return f"packed Tq={q_shape[0]}, Tk={k_shape[0]}: multiples of {ROW_ALIGN}"
         return _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows:
