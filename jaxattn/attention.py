@@ -40,6 +40,7 @@ from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import LogitParams
 from pallas_kernels.mosaic import (
     mosaic_backward,
+    mosaic_backward_packed,
     mosaic_forward,
     mosaic_forward_packed,
     select_backward,
@@ -374,7 +375,8 @@ def _backward_local(
     masked = static.causal or static.window is not None
     tiling = select_backward(backward, q.shape, k.shape, q.dtype, masked=masked, **options)
     if tiling is not None:
-        dq, dk, dv = mosaic_backward(
+        run = mosaic_backward_packed if static.packed else mosaic_backward
+        dq, dk, dv = run(
             q, k, v, out, lse, g_out, g_lse, len_q, len_k, causal=static.causal,
             window=static.window, soft_cap=static.soft_cap, scale=static.scale, config=tiling,
         )  # fmt: skip

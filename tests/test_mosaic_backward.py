@@ -240,6 +240,44 @@ def test_query_block_range_matches_visibility(causal, window, offset, lengths):
             assert_range_matches((lo, hi, full_lo, full_hi), any_seen, all_seen, where)
 
 
+PACKED_LEADS = [(100, 124, 5, 3), (150, 97, 7, 0), (40, 40, 0, 7), (6, 90, 5, 2)]
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (False, None)])
+@pytest.mark.parametrize("q_len, kv_len, q_first, kv_first", PACKED_LEADS)
+def test_query_block_range_covers_packed_visibility(causal, window, q_len, kv_len, q_first,
+                                                    kv_first):  # fmt: skip
+    """A packed sequence read from starts rounded down to 8: rows below q_first and keys
+    below kv_first are its neighbours' and see nothing. Every block with a visible pair is
+    in [lo, hi) and [full_lo, full_hi) holds only fully visible blocks (the range may be
+    loose there: the extra blocks are masked)."""
+    block, num_blocks = 16, 10
+    rows = np.arange(block * num_blocks)
+    offset = kv_len - q_len
+    pos = rows[:, None] + offset
+    for first in range(0, block * num_blocks + 40, 3):
+        for count in (1, 16, 64):
+            keys = np.arange(first, first + count)[None, :]
+            visible = (rows[:, None] >= q_first) & (rows[:, None] < q_len)
+            visible = visible & (keys >= kv_first) & (keys < kv_len)
+            if causal:
+                visible &= keys <= pos
+            if window is not None:
+                visible &= keys > pos - window
+            per_block = visible.reshape(num_blocks, block, count)
+            lo, hi, full_lo, full_hi = (int(x) for x in query_block_range(
+                jnp.int32(first), jnp.int32(first + count - 1), causal=causal, window=window,
+                offset=jnp.int32(offset), num_blocks=num_blocks, block_q=block,
+                q_len=jnp.int32(q_len), kv_len=jnp.int32(kv_len), q_first=jnp.int32(q_first),
+                kv_first=jnp.int32(kv_first),
+            ))  # fmt: skip
+            where = f"keys {first}..{first + count - 1}"
+            seen = np.flatnonzero(per_block.any(axis=(1, 2)))
+            assert lo <= full_lo <= full_hi <= hi, where
+            assert ((seen >= lo) & (seen < hi)).all(), where
+            assert per_block.all(axis=(1, 2))[full_lo:full_hi].all(), where
+
+
 # ------------------------------------------------------------------ lowering (CPU)
 
 

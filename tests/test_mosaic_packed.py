@@ -24,20 +24,25 @@ import ml_dtypes
 import numpy as np
 import pytest
 import util
+from grad_oracle import ragged_attention_grad_oracle
 from oracle import ragged_attention_oracle
+from test_grad_kernels import assert_grad_close
 from test_mosaic import hopper_only
 
 import jaxattn
 from pallas_kernels.batch import packed_batch
 from pallas_kernels.mosaic import (
+    MosaicBackwardConfig,
     MosaicForwardConfig,
     backward_unsupported,
     forward_unsupported,
+    mosaic_backward_packed,
     mosaic_forward_packed,
 )
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
     LEAD_K,
+    LEAD_Q,
     NOWHERE,
     ROW_ALIGN,
     STORE,
@@ -100,23 +105,27 @@ def _inputs(case, dtype, poison_kind="nan"):
 # ------------------------------------------------------------------ placement (CPU)
 
 
+@pytest.mark.parametrize("axis", ["q", "kv"])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 50)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[8])}seqs-T{c[0]}")
-def test_tiles_and_tails_place_every_row_once(case, causal, window):
+def test_tiles_and_tails_place_every_row_once(case, causal, window, axis):
     """Every row of the arrays is written exactly once: by a tile of its own sequence (in
     place, or through a tail slot) holding it at its own row, or, past the last sequence,
     by the padding's tiles (zeros); tiles start at multiples of 8 rows and their
     sequence's lengths count the rows and keys before its start as padding; spare tiles
-    write nothing."""
+    write nothing. `axis`: the forward's and dQ kernel's query tiles, or the dK/dV
+    kernel's key tiles."""
     tq, tk, *_, q_lens, kv_lens = case
     rows = 128
     cu_q, cu_k = _cu(q_lens), _cu(kv_lens)
     batch = packed_batch(cu_q, cu_k, tq, tk)
-    table = np.asarray(tile_table(batch, rows, tq, causal=causal, window=window))
-    where = np.asarray(tail_rows(batch.q_start, batch.q_rows, rows, tq))
-    owner = np.searchsorted(cu_q, np.arange(tq), side="right") - 1  # [Tq]: its sequence
+    n, cu, lens = (tq, cu_q, q_lens) if axis == "q" else (tk, cu_k, kv_lens)
+    own_rows = batch.q_rows if axis == "q" else batch.k_rows
+    table = np.asarray(tile_table(batch, rows, n, causal=causal, window=window, axis=axis))
+    where = np.asarray(tail_rows(cu, own_rows, rows, n))
+    owner = np.searchsorted(cu, np.arange(n), side="right") - 1  # [n]: its sequence
     q_lens_all, kv_lens_all = list(q_lens) + [0], list(kv_lens) + [0]
-    written = np.zeros(tq, int)
+    written = np.zeros(n, int)
     slots_used = set()
     for tile in table:
         seq, row, store = tile[_SEQ], tile[_ROW] * ROW_ALIGN, tile[STORE]
@@ -127,23 +136,24 @@ def test_tiles_and_tails_place_every_row_once(case, causal, window):
         lead_q, lead_k = cu_q[seq] - q_base, cu_k[seq] - k_base
         assert 0 <= lead_q < ROW_ALIGN and 0 <= lead_k < ROW_ALIGN and row % rows == 0
         assert tile[LEAD_K] == lead_k and tile[_KV_LEN] == kv_lens_all[seq] + lead_k
-        assert tile[_Q_LEN] == q_lens_all[seq] + lead_q
-        at = q_base + row + np.arange(rows)  # the tile's rows in the arrays
+        assert tile[LEAD_Q] == lead_q and tile[_Q_LEN] == q_lens_all[seq] + lead_q
+        base = q_base if axis == "q" else k_base
+        at = base + row + np.arange(rows)  # the tile's rows in the arrays
         if store >= 0:  # a tail slot: its map sends exactly the sequence's rows home
             assert store // 2 == seq and store not in slots_used
             slots_used.add(store)
-            kept = where[store] < tq
-            mine = (at >= cu_q[seq]) & (at < cu_q[seq] + batch.q_rows[seq]) & (at < tq)
+            kept = where[store] < n
+            mine = (at >= cu[seq]) & (at < cu[seq] + own_rows[seq]) & (at < n)
             np.testing.assert_array_equal(kept, mine)
             np.testing.assert_array_equal(where[store][kept], at[kept])
             at = at[kept]
         else:
             assert store == IN_PLACE
-            at = at[at < tq]  # TMA drops rows past the arrays
-        np.testing.assert_array_equal(owner[at], np.minimum(seq, len(q_lens)))
+            at = at[at < n]  # TMA drops rows past the arrays
+        np.testing.assert_array_equal(owner[at], np.minimum(seq, len(lens)))
         written[at] += 1
     unused = [s for s in range(where.shape[0]) if s not in slots_used]
-    assert (where[unused] == tq).all(), "a slot no tile writes must scatter nothing"
+    assert (where[unused] == n).all(), "a slot no tile writes must scatter nothing"
     np.testing.assert_array_equal(written, 1)
 
 
@@ -173,17 +183,20 @@ def test_merge_tails_moves_only_real_rows():
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["causal", "window-softcap"])
-def test_packed_forward_lowers_for_cuda(case):
+def test_packed_kernels_lower_for_cuda(case):
     tq, tk, hq, hkv, d, *_, q_lens, _ = case
     q = jax.ShapeDtypeStruct((tq, hq, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((tk, hkv, d), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((hq, tq), jnp.float32)
     cu = jax.ShapeDtypeStruct((len(q_lens) + 1,), jnp.int32)
-    fn = functools.partial(mosaic_forward_packed, **_opts(case))
-    text = jax.jit(fn).trace(q, k, k, cu, cu).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    fwd = functools.partial(mosaic_forward_packed, **_opts(case))
+    bwd = functools.partial(mosaic_backward_packed, **_opts(case))
+    for fn, args in ((fwd, (q, k, k, cu, cu)), (bwd, (q, k, k, q, lse, q, lse, cu, cu))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
-def test_support_takes_packed_forwards_of_whole_row_tiles():
+def test_support_takes_packed_batches_of_whole_row_tiles():
     config = MosaicForwardConfig()
     ok = forward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
                              packed=True)  # fmt: skip
@@ -191,9 +204,13 @@ def test_support_takes_packed_forwards_of_whole_row_tiles():
     why = forward_unsupported((1001, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
                               packed=True)  # fmt: skip
     assert "multiples of 8" in why
-    why = backward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=None,
+    config = MosaicBackwardConfig()
+    ok = backward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
+                              packed=True)  # fmt: skip
+    assert ok is None
+    why = backward_unsupported((1000, 8, 128), (900, 2, 128), jnp.bfloat16, config=config,
                                packed=True)  # fmt: skip
-    assert "packed" in why
+    assert "multiples of 8" in why
     q = jax.ShapeDtypeStruct((1001, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((904, 2, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
@@ -234,21 +251,64 @@ def test_packed_forward_config_variants():
         _check(case, "bfloat16", out, lse, clean, cu)
 
 
+BACKWARD_CASES = [c for c in CASES if c[4] != 256]  # D256: the Triton backward
+
+
+def _grad_inputs(case, dtype):
+    """(clean q, k, v, g_out, g_lse; poisoned copies; cu): NaN past the last sequence."""
+    clean, bad, cu = _inputs(case, dtype)
+    rng = util.rng_for("mosaic packed cotangents", case, dtype)
+    g_out = util.randn(rng, clean[0].shape, dtype)
+    g_lse = util.randn(rng, (clean[0].shape[1], clean[0].shape[0]), "float32")
+    pad = jnp.arange(clean[0].shape[0]) >= cu[0][-1]
+    bad_g = jnp.where(pad[:, None, None], jnp.nan, g_out).astype(g_out.dtype)
+    return (*clean, g_out, g_lse), (*bad, bad_g, jnp.where(pad[None, :], jnp.nan, g_lse)), cu
+
+
 @hopper_only
-def test_ragged_attention_takes_the_hopper_forward(monkeypatch):
-    """`jaxattn.ragged_attention` with `"pallas"` runs the packed Hopper forward; its
-    gradient (the Triton backward on the Hopper forward's residuals) matches the XLA
-    reference's."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "case", BACKWARD_CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{len(c[8])}"
+)
+def test_packed_backward_matches_oracle(case, dtype):
+    """dq, dk, dv with an lse cotangent against the float64 per-sequence oracle; padding
+    past the last sequence NaN (inputs, out, lse, cotangents) gets zero gradients, and no
+    gradient crosses between neighbouring sequences (the kernels read their rows)."""
+    clean, bad, cu = _grad_inputs(case, dtype)
+    q, k, v, g_out, g_lse = bad
+    out, lse = mosaic_forward_packed(q, k, v, *cu, **_opts(case))
+    pad = jnp.arange(q.shape[0]) >= cu[0][-1]
+    out = jnp.where(pad[:, None, None], jnp.nan, out).astype(out.dtype)
+    lse = jnp.where(pad[None, :], jnp.nan, lse)
+    fn = jax.jit(functools.partial(mosaic_backward_packed, **_opts(case)))
+    grads = fn(q, k, v, out, lse, g_out, g_lse, *cu)
+    args = [util.f64(x) for x in clean]
+    want = ragged_attention_grad_oracle(*args[:3], *cu, *args[3:], **_opts(case))
+    plain = ragged_attention_grad_oracle(*args[:3], *cu, *args[3:], lowp=LOWP[dtype],
+                                         **_opts(case))  # fmt: skip
+    for name, got in zip("qkv", grads, strict=True):
+        ref_err = float(np.max(np.abs(plain.grads[name] - want.grads[name])))
+        assert_grad_close(got, want.grads[name], want.flows[name], dtype, name, ref_err)
+    again = fn(q, k, v, out, lse, g_out, g_lse, *cu)
+    for name, g, h in zip("qkv", grads, again, strict=True):
+        np.testing.assert_array_equal(util.bits(g), util.bits(h), err_msg=f"d{name}")
+
+
+@hopper_only
+def test_ragged_attention_takes_the_hopper_kernels(monkeypatch):
+    """`jaxattn.ragged_attention` with `"pallas"` runs both packed Hopper kernels; its
+    gradient matches the XLA reference's."""
     case = CASES[2]
     clean, bad, cu = _inputs(case, "bfloat16")
     calls = []
-    real = attention_module.mosaic_forward_packed
+    for name in ("mosaic_forward_packed", "mosaic_backward_packed"):
+        real = getattr(attention_module, name)
 
-    def spy(*args, **kw):
-        calls.append("mosaic_forward_packed")
-        return real(*args, **kw)
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
 
-    monkeypatch.setattr(attention_module, "mosaic_forward_packed", spy)
+        monkeypatch.setattr(attention_module, name, spy)
     g = util.randn(util.rng_for("packed cotangent"), clean[0].shape, "bfloat16")
 
     def loss(impl, q, k, v):
@@ -256,7 +316,7 @@ def test_ragged_attention_takes_the_hopper_forward(monkeypatch):
         return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
 
     got = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2)))(*clean)
-    assert calls == ["mosaic_forward_packed"]
+    assert calls == ["mosaic_forward_packed", "mosaic_backward_packed"]
     want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(*clean)
     for name, a, b in zip("qkv", got, want, strict=True):
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))

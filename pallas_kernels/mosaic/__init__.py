@@ -4,7 +4,7 @@ They run on compute capability 9.x only (not in CPU interpret mode); `support` s
 calls they cover, and the dispatcher falls back to the Triton kernels for the rest.
 """
 
-from pallas_kernels.mosaic.backward import mosaic_backward
+from pallas_kernels.mosaic.backward import mosaic_backward, mosaic_backward_packed
 from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
 from pallas_kernels.mosaic.forward import mosaic_forward, mosaic_forward_packed
 from pallas_kernels.mosaic.support import (
@@ -22,6 +22,7 @@ __all__ = [
     "device_unsupported",
     "forward_unsupported",
     "mosaic_backward",
+    "mosaic_backward_packed",
     "mosaic_forward",
     "mosaic_forward_packed",
     "select_backward",

@@ -37,19 +37,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.batch import packed_batch
 from pallas_kernels.common import LOG2E, MASK_VALUE
 from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
+    Tile,
     clip,
+    dense_tile,
     floor_div,
+    imax,
     imin,
     load_plgpu,
     produce,
     ring_steps,
     sequence_lengths,
-    sequence_of,
     slot_of,
     split_refs,
     visible,
@@ -58,17 +61,27 @@ from pallas_kernels.mosaic.common import (
 )
 from pallas_kernels.mosaic.config import MosaicBackwardConfig
 from pallas_kernels.mosaic.forward import key_blocks
+from pallas_kernels.mosaic.packed import (
+    IN_PLACE,
+    merge_tails,
+    packed_tile,
+    tail_rows,
+    tile_table,
+)
 
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
 
 
 def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q,
-                      q_len=None, kv_len=None):  # fmt: skip
+                      q_len=None, kv_len=None, q_first=None, kv_first=None):  # fmt: skip
     """(lo, hi, full_lo, full_hi): the query blocks `[lo, hi)` with a row that sees some
     key of `first_key..last_key` (row r sits at position r + offset), and the blocks
     `[full_lo, full_hi)` whose every row sees every one of those keys. With lengths
     (`kv_len` not None; `q_len`, `kv_len`: the sequence's counts), rows at or past q_len
-    and keys at or past kv_len see nothing; without, q_len is not read."""
+    and keys at or past kv_len see nothing; without, q_len is not read. Packed batches
+    (`q_first`, `kv_first`): rows and keys below them are the sequence before's, so the
+    blocks holding them are masked (the range may then hold blocks no real row of which
+    sees a key: masked, only slower)."""
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:  # rows r >= key - offset see the key
@@ -82,6 +95,10 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
         full_hi = imin(full_hi, floor_div(q_len, block_q))
         hi = jnp.where(first_key < kv_len, hi, 0)  # keys all padding: no block
         full_hi = jnp.where(last_key < kv_len, full_hi, 0)  # some padding: all masked
+    if q_first is not None:
+        full_lo = imax(full_lo, floor_div(q_first + block_q - 1, block_q))
+    if kv_first is not None:
+        full_hi = jnp.where(first_key >= kv_first, full_hi, 0)
     lo = imin(lo, hi)
     full_lo = clip(full_lo, lo, hi)
     full_hi = clip(full_hi, full_lo, hi)
@@ -89,11 +106,12 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
 
 
 def _logits(qk, *, rows_first, keys_first, transposed, causal, window, kv_len, soft_cap, scale,
-            masked):  # fmt: skip
+            masked, kv_first=None, pos_range=None):  # fmt: skip
     """Base-2 logits of an S tile `[rows, keys]` (or S^T `[keys, rows]`: `transposed`) and
     the soft-cap's derivative factor `1 - tanh^2` (None without a cap). Masked: invisible
     entries at MASK_VALUE. rows_first / keys_first: positions of the tile's first row/key;
-    kv_len: with lengths, the sequence's key count (else None)."""
+    kv_len: with lengths, the sequence's key count (else None); kv_first, pos_range:
+    a packed batch's (`common.visible`)."""
     plgpu = load_plgpu()
     t = None
     if soft_cap is None:
@@ -108,7 +126,8 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, kv_len, s
         pos, key = (
             (c + rows_first, a + keys_first) if transposed else (a + rows_first, c + keys_first)
         )
-        seen = visible(pos, key, causal=causal, window=window, kv_len=kv_len)
+        seen = visible(pos, key, causal=causal, window=window, kv_len=kv_len,
+                       kv_first=kv_first, pos_range=pos_range)  # fmt: skip
         s = jnp.where(seen, s, MASK_VALUE)
     return s, None if t is None else 1.0 - t * t
 
@@ -136,10 +155,47 @@ def _walk(bounds, step_body, pass_over, carry):
     return carry
 
 
-def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stages, block_kv):
+def _tile(lengths_ref, packed: bool, q_rows: int, kv_rows: int, last_first=None) -> Tile:
+    """This block's tile: a packed batch's from its table (heaviest first), a dense one's
+    from the grid; `last_first`: the dense tile count, launched last tile first (the dQ
+    kernel's causal query tiles: the last see the most keys)."""
+    t = lax.axis_index("tiles")
+    if packed:
+        return packed_tile(lengths_ref, t)
+    t = t if last_first is None else last_first - 1 - t
+    return dense_tile(lengths_ref, lax.axis_index("batch"), t * CONSUMERS * _ROWS, q_rows, kv_rows)
+
+
+def _store(tile: Tile, pairs, tail_refs, at, wg, head):
+    """Each (shared-memory tile, output ref) of `pairs` to its rows `at` (`(b, rows,
+    head)`), or, for a packed tile cut by its sequence's start or end, into the matching
+    tail ref's slot (`packed.py`); then waits for the copies."""
+    plgpu = load_plgpu()
+
+    def in_place():
+        for smem, ref in pairs:
+            plgpu.copy_smem_to_gmem(smem, ref.at[at])
+
+    def to_tail():
+        for (smem, _), tail in zip(pairs, tail_refs, strict=True):
+            plgpu.copy_smem_to_gmem(smem, tail.at[tile.store, pl.ds(wg * _ROWS, _ROWS), head])
+
+    if tile.store is None:
+        in_place()
+    else:
+        pl.when(tile.store == IN_PLACE)(in_place)
+        pl.when(tile.store >= 0)(to_tail)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, group, stages,
+               block_kv):  # fmt: skip
     # q, do [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse (base 2), delta [B, Hq, Tq] float32;
-    # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D].
-    inputs, lengths_ref, (dq_ref, smem, barriers) = split_refs(refs, 6, has_lengths)
+    # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D]. Packed (B = 1): the query
+    # tiles' table instead of the lengths, and after dq its tails [2S, 128, Hq, D].
+    inputs, lengths_ref, (dq_ref, *tail_ref, smem, barriers) = split_refs(
+        refs, 6, has_lengths or packed
+    )
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     plgpu = load_plgpu()
     q_smem2, do_smem2, row_smem2, k_smem, v_smem = smem
@@ -147,35 +203,35 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
     _, q_rows, _, head_dim = q_ref.shape
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
-    num_blocks = kv_rows // block_kv
-    b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    seq = sequence_of(lengths_ref, b, q_rows, kv_rows)
-    q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
+    num_blocks = pl.cdiv(kv_rows, block_kv)
+    h, wg = lax.axis_index("heads"), lax.axis_index("wg")
+    last_first = q_rows // (CONSUMERS * _ROWS) if causal else None  # most keys first
+    tile = _tile(lengths_ref, packed, q_rows, kv_rows, last_first)
+    b, seq = tile.batch, tile.seq
+    q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
     kvh = h // group
-    tile = lax.axis_index("tiles")
-    if causal:  # the last query tiles see the most keys: launch them first
-        tile = q_rows // (CONSUMERS * _ROWS) - 1 - tile
 
     def blocks_of(consumer):
-        first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
+        first = tile.row + consumer * _ROWS
         return key_blocks(first, _ROWS, q_len=q_len, offset=offset, kv_len=kv_limit,
-                          causal=causal, window=window, num_blocks=num_blocks,
-                          block_kv=block_kv)  # fmt: skip
+                          kv_first=kv_first, causal=causal, window=window,
+                          num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
     lo, hi = ring_steps(blocks_of)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        first_row = tile * (CONSUMERS * _ROWS) + wg * _ROWS
+        first_row = tile.row + wg * _ROWS  # in the sequence
+        at = tile.q_base + first_row  # in the arrays
         my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         q_smem, do_smem, row_smem = q_smem2.at[wg], do_smem2.at[wg], row_smem2.at[wg]
-        rows = (b, pl.ds(first_row, _ROWS), h)
+        rows = (b, pl.ds(at, _ROWS), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, in_barriers.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, in_barriers.at[wg])
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(first_row, _ROWS)], row_smem.at[0],
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(at, _ROWS)], row_smem.at[0],
                                 in_barriers.at[wg])  # fmt: skip
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(first_row, _ROWS)], row_smem.at[1],
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(at, _ROWS)], row_smem.at[1],
                                 in_barriers.at[wg])  # fmt: skip
         plgpu.barrier_wait(in_barriers.at[wg])
         row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -204,8 +260,8 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
             plgpu.barrier_arrive(v_consumed.at[slot])
             s, cap_grad = _logits(qk, rows_first=first_row + offset, keys_first=step * block_kv,
                                   transposed=False, causal=causal, window=window,
-                                  kv_len=kv_limit, soft_cap=soft_cap, scale=scale,
-                                  masked=masked)  # fmt: skip
+                                  kv_len=kv_limit, kv_first=kv_first, soft_cap=soft_cap,
+                                  scale=scale, masked=masked)  # fmt: skip
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             ds16 = _dscores(p, dp, delta, cap_grad, row_axis=0, dtype=dtype)
 
@@ -219,8 +275,7 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
         dq = _walk((lo, my_lo, full_lo, full_hi, my_hi, hi), step_body, pass_over, dq)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
-        plgpu.wait_smem_to_gmem(0)
+        _store(tile, ((q_smem, dq_ref),), tail_ref, rows, wg, h)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -229,7 +284,7 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
 
         def load(step, wait):
             slot = slot_of(step, stages)
-            rows = (b, pl.ds(step * block_kv, block_kv), kvh)
+            rows = (b, pl.ds(tile.k_base + step * block_kv, block_kv), kvh)
             for src, dst, loaded, consumed in sources:
                 if wait:
                     plgpu.barrier_wait(consumed.at[slot])
@@ -238,9 +293,13 @@ def _dq_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stage
         produce(lo, hi, stages, load)
 
 
-def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, stages, block_q):
-    # The dQ kernel's inputs (and lengths); dk, dv [B, Tk, Hkv, D].
-    inputs, lengths_ref, (dk_ref, dv_ref, smem, barriers) = split_refs(refs, 6, has_lengths)
+def _dkdv_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, group, stages,
+                 block_q):  # fmt: skip
+    # The dQ kernel's inputs (and lengths, or packed the key tiles' table); dk, dv
+    # [B, Tk, Hkv, D] (packed: then their tails [2S, 128, Hkv, D]).
+    inputs, lengths_ref, (dk_ref, dv_ref, *tail_refs, smem, barriers) = split_refs(
+        refs, 6, has_lengths or packed
+    )
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     plgpu = load_plgpu()
     k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
@@ -248,17 +307,20 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
     _, q_rows, _, head_dim = q_ref.shape
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
-    num_blocks = q_rows // block_q
-    b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    seq = sequence_of(lengths_ref, b, q_rows, kv_rows)
+    num_blocks = pl.cdiv(q_rows, block_q)
+    kvh, wg = lax.axis_index("heads"), lax.axis_index("wg")
+    tile = _tile(lengths_ref, packed, q_rows, kv_rows)
+    b, seq = tile.batch, tile.seq
     q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
-    tile = lax.axis_index("tiles")
+    # Packed: the query blocks hold the neighbours' rows, whose lse is finite: masked.
+    pos_range = None if seq.q_first is None else (seq.q_first + offset, q_len + offset)
 
     def blocks_of(consumer):
-        first = tile * (CONSUMERS * _ROWS) + consumer * _ROWS
+        first = tile.row + consumer * _ROWS
         return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
                                  offset=offset, num_blocks=num_blocks, block_q=block_q,
-                                 q_len=q_len, kv_len=kv_limit)  # fmt: skip
+                                 q_len=q_len, kv_len=kv_limit, q_first=seq.q_first,
+                                 kv_first=seq.kv_first)  # fmt: skip
 
     lo, hi = ring_steps(blocks_of)
     span = hi - lo  # ring steps per query head: head g's block j is step g * span + j - lo
@@ -266,10 +328,10 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        first_key = tile * (CONSUMERS * _ROWS) + wg * _ROWS
+        first_key = tile.row + wg * _ROWS  # in the sequence
         my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        keys = (b, pl.ds(first_key, _ROWS), kvh)
+        keys = (b, pl.ds(tile.k_base + first_key, _ROWS), kvh)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, in_barriers.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, in_barriers.at[wg])
         plgpu.barrier_wait(in_barriers.at[wg])
@@ -299,7 +361,8 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
                 qk = pl.run_scoped(st_gemm, plgpu.ACC((_ROWS, block_q), jnp.float32))
                 s, cap_grad = _logits(qk, rows_first=j * block_q + offset, keys_first=first_key,
                                       transposed=True, causal=causal, window=window,
-                                      kv_len=kv_limit, soft_cap=soft_cap, scale=scale,
+                                      kv_len=kv_limit, kv_first=seq.kv_first,
+                                      pos_range=pos_range, soft_cap=soft_cap, scale=scale,
                                       masked=masked)  # fmt: skip
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
 
@@ -326,9 +389,7 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
         k_smem[...] = (dk * scale).astype(dtype)
         v_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[keys])
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[keys])
-        plgpu.wait_smem_to_gmem(0)
+        _store(tile, ((k_smem, dk_ref), (v_smem, dv_ref)), tail_refs, keys, wg, kvh)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -341,17 +402,20 @@ def _dkdv_kernel(*refs, has_lengths, causal, window, soft_cap, scale, group, sta
             h = kvh * group + g
             if wait:
                 plgpu.barrier_wait(q_consumed.at[slot])
-            rows = (b, pl.ds(j * block_q, block_q), h)
+            rows = (b, pl.ds(tile.q_base + j * block_q, block_q), h)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], q_loaded.at[slot])
-            cols = (b, h, pl.ds(j * block_q, block_q))
+            cols = (b, h, pl.ds(tile.q_base + j * block_q, block_q))
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], row_smem.at[slot, 0], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], row_smem.at[slot, 1], q_loaded.at[slot])
 
         produce(0, group * span, stages, load)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "soft_cap", "scale", "config"))
+_STATIC = ("causal", "window", "soft_cap", "scale", "config")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_lengths=None, *,
                     causal=False, window=None, soft_cap=None, scale=1.0, config=None):  # fmt: skip
     """(dq, dk, dv) of dense flash attention from its forward's residuals (either
@@ -373,41 +437,118 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
     Returns:
       (dq, dk, dv) in the inputs' shapes and dtype.
     """
-    plgpu = load_plgpu()
     config = config or MosaicBackwardConfig.heuristic(causal or window is not None)
-    batch, q_rows, num_q_heads, head_dim = q.shape
-    kv_rows, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_q_heads // num_kv_heads
-    stages, dtype = config.num_stages, q.dtype
+    batch, q_rows, _, _ = q.shape
+    kv_rows = k.shape[1]
     rows = config.rows
     if q_rows % rows or kv_rows % rows:
         raise ValueError(f"mosaic_backward: {q.shape=}, {k.shape=}: Tq, Tk multiples of {rows}")
-    g_out = g_out.astype(dtype)
+    g_out = g_out.astype(q.dtype)
     lengths = sequence_lengths(q_lengths, kv_lengths, batch, q_rows, kv_rows)
+    real_row = None
     if lengths is not None:
         q, g_out = (zero_padding(x, lengths[0]) for x in (q, g_out))
         k, v = (zero_padding(x, lengths[1]) for x in (k, v))
         real_row = jnp.arange(q_rows)[None, None, :] < lengths[0][:, None, None]  # [B, 1, Tq]
+    lse2, delta = _row_terms(out, g_out, lse, g_lse, real_row)
+    grids = ((q_rows // rows, batch), (kv_rows // rows, batch))
+    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    return _launch(q, k, v, g_out, lse2, delta, lengths, grids=grids, config=config, **options)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seqlens_k, *,
+                           causal=False, window=None, soft_cap=None, scale=1.0,
+                           config=None):  # fmt: skip
+    """(dq, dk, dv) of packed flash attention (`mosaic_forward_packed`'s layout) from its
+    forward's residuals.
+
+    Args:
+      q: `[Tq, Hq, D]`, k, v: `[Tk, Hkv, D]` (dtypes and D as `mosaic_backward`'s; Tq, Tk
+        multiples of 8); out like q, lse float32 `[Hq, Tq]`, g_out like q, g_lse like lse
+        or None; cu_seqlens_q, cu_seqlens_k: int `[B + 1]` as the forward's. Rows past
+        `cu_seqlens_q[-1]` and keys past `cu_seqlens_k[-1]` may hold anything (zeroed in
+        one XLA pass) and get zero gradients.
+      causal, window, soft_cap, scale, config: as `mosaic_backward`'s.
+
+    Returns:
+      (dq, dk, dv) in the inputs' shapes and dtype. The dQ kernel tiles each sequence's
+      query rows, the dK/dV kernel its keys (`packed.tile_table`, from starts rounded down
+      to 8 rows); tiles cut by a sequence's start or end go through tails
+      (`packed.merge_tails`).
+    """
+    config = config or MosaicBackwardConfig.heuristic(causal or window is not None)
+    q_rows, kv_rows = q.shape[0], k.shape[0]
+    batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
+    used_q, used_k = batch.q_start[-1:], batch.k_start[-1:]  # rows past them: padding
+    q, g_out = (zero_padding(x.astype(q.dtype)[None], used_q) for x in (q, g_out))
+    k, v = (zero_padding(x[None], used_k) for x in (k, v))
+    real_row = (jnp.arange(q_rows) < used_q)[None, None, :]  # [1, 1, Tq]
+    g_lse = None if g_lse is None else g_lse[None]
+    lse2, delta = _row_terms(out[None], g_out, lse[None], g_lse, real_row)
+    order = dict(causal=causal, window=window)
+    tables = tuple(tile_table(batch, config.rows, n, axis=axis, **order)
+                   for n, axis in ((q_rows, "q"), (kv_rows, "kv")))  # fmt: skip
+    grids = tuple((table.shape[0], 1) for table in tables)
+    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    (dq, dq_tail), (dk, dv, dk_tail, dv_tail) = _launch(
+        q, k, v, g_out, lse2, delta, tables, grids=grids, config=config,
+        num_tails=2 * batch.q_len.shape[0], **options,
+    )  # fmt: skip
+    q_where = tail_rows(batch.q_start, batch.q_rows, config.rows, q_rows)
+    k_where = tail_rows(batch.k_start, batch.k_rows, config.rows, kv_rows)
+    dq = merge_tails(dq[0], dq_tail, q_where)
+    return dq, merge_tails(dk[0], dk_tail, k_where), merge_tails(dv[0], dv_tail, k_where)
+
+
+def _row_terms(out, g_out, lse, g_lse, real_row):
+    """(lse in base 2, delta), float32 `[B, Hq, Tq]`: the kernels' per-row inputs. delta =
+    rowsum(dO * O) - d(lse). Rows that see no key (lse not finite) and padding rows
+    (`real_row` False, `[B, 1, Tq]`, or None: none) get lse +inf, so their P is 0, and
+    padding rows delta 0, whatever their out and lse hold."""
     delta = jnp.sum(out.astype(jnp.float32) * g_out.astype(jnp.float32), axis=-1)
     delta = delta.transpose(0, 2, 1)  # [B, Hq, Tq]
-    finite = jnp.isfinite(lse)  # not: the row sees no key
-    if lengths is not None:  # padding rows: no weight, whatever their out and lse hold
+    finite = jnp.isfinite(lse)
+    if real_row is not None:
         finite = finite & real_row
         delta = jnp.where(real_row, delta, 0.0)
     if g_lse is not None:
         delta = delta - jnp.where(finite, g_lse, 0.0)
-    lse2 = jnp.where(finite, lse * LOG2E, jnp.inf)
+    return jnp.where(finite, lse * LOG2E, jnp.inf), delta
+
+
+def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=None, **options):
+    """Both kernels on `[B, T, H, D]` inputs: `lengths` the dense `[2, B]` lengths or None,
+    or (`num_tails` given) the packed batch's query and key tile tables; `grids`: the dQ
+    and dK/dV kernels' (tiles, batch). Returns (dq, dk, dv), packed each with its tails."""
+    plgpu = load_plgpu()
+    _, _, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    stages, dtype = config.num_stages, q.dtype
+    packed = num_tails is not None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    opts = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale, group=group,
-                stages=stages, has_lengths=lengths is not None)  # fmt: skip
-    inputs = (q, k, v, g_out, lse2, delta) + (() if lengths is None else (lengths,))
+    opts = dict(group=num_q_heads // num_kv_heads, stages=stages, packed=packed,
+                has_lengths=lengths is not None and not packed, **options)  # fmt: skip
+    inputs = (q, k, v, g_out, lse2, delta)
+    # The kernels' extra input: the lengths (both), or each its own tile table.
+    dq_aux, dkdv_aux = lengths if packed else (lengths, lengths)
     common = dict(num_threads=CONSUMERS + 1, thread_name="wg",
                   compiler_params=plgpu.CompilerParams(approx_math=True))  # fmt: skip
+
+    def out_types(like, count):
+        types = [jax.ShapeDtypeStruct(like.shape, dtype)] * count
+        if packed:
+            tail = (num_tails, config.rows, like.shape[2], head_dim)
+            types += [jax.ShapeDtypeStruct(tail, dtype)] * count
+        return tuple(types)
+
+    def aux(x):  # no lengths: no extra input
+        return () if x is None else (x,)
 
     bk = config.block_kv_dq
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, block_kv=bk, **opts),
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        out_type=out_types(q, 1),
         scratch_types=(
             (
                 plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
@@ -424,15 +565,15 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             ),
         ),
-        grid=(num_q_heads, q_rows // rows, batch),
+        grid=(num_q_heads, *grids[0]),
         grid_names=("heads", "tiles", "batch"),
         **common,
-    )(*inputs)
+    )(*inputs, *aux(dq_aux))
 
     bq = config.block_q_dkv
-    dk, dv = plgpu.kernel(
+    dkdv = plgpu.kernel(
         functools.partial(_dkdv_kernel, block_q=bq, **opts),
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        out_type=out_types(k, 2),
         scratch_types=(
             (
                 plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
@@ -447,8 +588,10 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             ),
         ),
-        grid=(num_kv_heads, kv_rows // rows, batch),
+        grid=(num_kv_heads, *grids[1]),
         grid_names=("heads", "tiles", "batch"),
         **common,
-    )(*inputs)
-    return dq, dk, dv
+    )(*inputs, *aux(dkdv_aux))
+    if packed:
+        return dq, dkdv
+    return dq[0], *dkdv

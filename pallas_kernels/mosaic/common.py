@@ -76,12 +76,17 @@ def slot_of(step, stages: int):
     return step % stages if isinstance(step, int) else lax.rem(step, stages)
 
 
-def visible(pos, key, *, causal: bool, window: int | None, kv_len=None, kv_first=None):
+def visible(pos, key, *, causal: bool, window: int | None, kv_len=None, kv_first=None,
+            pos_range=None):  # fmt: skip
     """Whether the query at position `pos` sees the key at `key` (arrays of one shape):
     causal (key <= pos), within the window (key > pos - window) and, with lengths, a
     real key (key < kv_len, and key >= kv_first where given: a packed sequence's keys
-    start there). At least one of them is set."""
+    start there); `pos_range` (lo, hi): only queries at positions `lo <= pos < hi` are
+    the sequence's (the dK/dV kernel of a packed batch reads the neighbours' rows too).
+    At least one of them is set."""
     conditions = [] if kv_first is None else [key >= kv_first]
+    if pos_range is not None:
+        conditions += [pos >= pos_range[0], pos < pos_range[1]]
     if causal:
         conditions.append(key <= pos)
     if window is not None:
@@ -118,14 +123,16 @@ def zero_padding(x, lengths):
 class Sequence(NamedTuple):
     """One sequence's extent inside a kernel: `q_len` query rows and `kv_len` keys are
     real, query row r sits at position `r + offset`; `kv_limit` is kv_len with lengths
-    (keys at or past it are padding) and None without (no key mask). `kv_first` (packed
-    batches): keys below it belong to the sequence before (`packed.py`)."""
+    (keys at or past it are padding) and None without (no key mask). `kv_first`,
+    `q_first` (packed batches): keys and query rows below them belong to the sequence
+    before (`packed.py`)."""
 
     q_len: object
     kv_len: object
     offset: object
     kv_limit: object
     kv_first: object = None
+    q_first: object = None
 
 
 def sequence_of(lengths_ref, b, q_rows: int, kv_rows: int) -> Sequence:

@@ -159,7 +159,8 @@ def _kernel(
         t = num_tiles - 1 - t if causal else t
         tile = dense_tile(lengths_ref, lax.axis_index("batch"), t * config.rows, q_rows, kv_rows)
     b = tile.batch
-    q_len, _, offset, kv_limit, kv_first = tile.seq
+    seq = tile.seq
+    q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
     mask_needed = causal or window is not None or ragged
     h = lax.axis_index("heads")
     kvh = h // group

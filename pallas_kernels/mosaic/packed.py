@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels.batch import Batch
 from pallas_kernels.mosaic.common import Sequence, Tile
 from pallas_kernels.tiles import (
+    _K_ROWS,
     _K_START,
     _KV_LEN,
     _NUM_COLS,
@@ -43,7 +44,7 @@ from pallas_kernels.tiles import (
 )
 
 ROW_ALIGN = 8  # a tile's first row: a multiple of this (TMA moves whole 8-row tiles)
-LEAD_K, STORE = _NUM_COLS, _NUM_COLS + 1  # the columns `tile_table` appends
+LEAD_Q, LEAD_K, STORE = _NUM_COLS, _NUM_COLS + 1, _NUM_COLS + 2  # `tile_table` appends
 IN_PLACE, NOWHERE = -1, -2  # STORE's values besides a tail slot (>= 0)
 
 
@@ -68,37 +69,40 @@ def _cut(row, lead, grown, not_padding, block: int):
     return head, not_padding & (row + block > grown) & ~head
 
 
-def tile_table(batch, block: int, num_rows: int, *, causal, window):
-    """int32 `[tiles, _NUM_COLS + 2]`: `packed_tile_table`'s rows for `block`-row query
-    tiles over `num_rows` rows, each sequence's rows and keys taken from ROW_ALIGN-aligned
-    starts (the rows and keys before its start are padding: its query lengths and key
-    lengths count them, `LEAD_K` says how many keys), `_Q_START`, `_K_START` and `_ROW`
-    in units of ROW_ALIGN rows (so the kernel's TMA offsets are provably aligned), and
-    `STORE`: a tail slot for a tile cut by its sequence's start (slot 2s) or end (2s + 1;
-    real sequences only), IN_PLACE for the others, NOWHERE for spare tiles (whose
-    lengths are zeroed: they compute nothing).
+def tile_table(batch, block: int, num_rows: int, *, causal, window, axis: str = "q"):
+    """int32 `[tiles, _NUM_COLS + 3]`: `packed_tile_table`'s rows for `block`-row tiles
+    of query rows (`axis="q"`) or keys (`"kv"`) over `num_rows` rows, each sequence's rows
+    and keys taken from ROW_ALIGN-aligned starts (the rows and keys before its start are
+    padding: its query and key lengths count them, `LEAD_Q` / `LEAD_K` say how many),
+    `_Q_START`, `_K_START` and `_ROW` in units of ROW_ALIGN rows (so the kernels' TMA
+    offsets are provably aligned), and `STORE`: a tail slot for a tile cut by its
+    sequence's start (slot 2s) or end (2s + 1; real sequences only), IN_PLACE for the
+    others, NOWHERE for spare tiles (whose lengths are zeroed: they compute nothing).
 
     batch: a packed `Batch` (`pallas_kernels.batch.packed_batch`, its last sequence the
     padding); causal, window: the call's (the tiles' work, for the heaviest-first order).
     """
+    k_rows = batch.kv_len if batch.k_rows is None else batch.k_rows
     q_base, lead_q, q_rows = _aligned(batch.q_start, batch.q_rows)
-    k_base, lead_k, k_rows = _aligned(batch.k_start, batch.kv_len)
+    k_base, lead_k, k_rows = _aligned(batch.k_start, k_rows)
     aligned = Batch(q_len=batch.q_len + lead_q, kv_len=batch.kv_len + lead_k, q_start=q_base,
                     q_rows=q_rows, k_start=k_base, k_rows=k_rows, dense=False)  # fmt: skip
     num_seqs = batch.q_len.shape[0]
     # Each sequence may grow by ROW_ALIGN - 1 leading rows: a bound on the tiles of all.
     num_tiles, _ = packed_grid(num_rows + (ROW_ALIGN - 1) * num_seqs, num_seqs, block)
-    table = packed_tile_table(aligned, block, num_tiles, _Order(causal, window), "q")
+    table = packed_tile_table(aligned, block, num_tiles, _Order(causal, window), axis)
     seq, row = table[:, _SEQ], table[:, _ROW]
     real = jnp.arange(num_tiles, dtype=jnp.int32) < table[:, _NUM_REAL]
-    head, end = _cut(row, lead_q[seq], table[:, _Q_ROWS], seq < num_seqs - 1, block)
+    lead, rows = (lead_q, _Q_ROWS) if axis == "q" else (lead_k, _K_ROWS)
+    head, end = _cut(row, lead[seq], table[:, rows], seq < num_seqs - 1, block)
     store = jnp.where(head, 2 * seq, jnp.where(end, 2 * seq + 1, IN_PLACE))
     store = jnp.where(real, store, NOWHERE)
     table = table.at[:, _Q_LEN].set(jnp.where(real, table[:, _Q_LEN], 0))
     table = table.at[:, _KV_LEN].set(jnp.where(real, table[:, _KV_LEN], 0))
     for col in (_Q_START, _K_START, _ROW):  # multiples of ROW_ALIGN, in its units
         table = table.at[:, col].set(table[:, col] // ROW_ALIGN)
-    extra = jnp.stack([jnp.where(real, lead_k[seq], 0), store], axis=1).astype(jnp.int32)
+    leads = [jnp.where(real, x[seq], 0) for x in (lead_q, lead_k)]
+    extra = jnp.stack([*leads, store], axis=1).astype(jnp.int32)
     return jnp.concatenate([table, extra], axis=1)
 
 
@@ -111,7 +115,14 @@ def packed_tile(table_ref, t) -> Tile:
         row=table_ref[t, _ROW] * ROW_ALIGN,
         q_base=table_ref[t, _Q_START] * ROW_ALIGN,
         k_base=table_ref[t, _K_START] * ROW_ALIGN,
-        seq=Sequence(q_len, kv_len, kv_len - q_len, kv_len, kv_first=table_ref[t, LEAD_K]),
+        seq=Sequence(
+            q_len,
+            kv_len,
+            kv_len - q_len,
+            kv_len,
+            kv_first=table_ref[t, LEAD_K],
+            q_first=table_ref[t, LEAD_Q],
+        ),  # fmt: skip
         store=table_ref[t, STORE],
     )
 
@@ -151,6 +162,7 @@ def merge_tails(x, tail, where, axis: int = 0):
 __all__ = [
     "IN_PLACE",
     "LEAD_K",
+    "LEAD_Q",
     "NOWHERE",
     "ROW_ALIGN",
     "STORE",

@@ -113,10 +113,8 @@ def forward_unsupported(
     head_dim = q_shape[-1]
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
-    if packed:  # TMA reads rows in tiles of ROW_ALIGN: the arrays must hold whole ones
-        if q_shape[0] % ROW_ALIGN or k_shape[0] % ROW_ALIGN:
-            return f"packed Tq={q_shape[0]}, Tk={k_shape[0]}: multiples of {ROW_ALIGN}"
-        return _smem_unsupported(config, head_dim, dtype)
+    if packed:
+        return _packed_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows:
         return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
@@ -128,20 +126,27 @@ def forward_unsupported(
 def backward_unsupported(
     q_shape, k_shape, dtype, *, config: MosaicBackwardConfig, packed: bool = False, **options
 ):
-    """None if `mosaic_backward` computes this gradient, else the first reason it cannot
-    (the arguments as `forward_unsupported`'s)."""
-    if packed:
-        return "packed (cu_seqlens) batches in the backward"
+    """None if `mosaic_backward` (or, `packed`, `mosaic_backward_packed`) computes this
+    gradient, else the first reason it cannot (the arguments as `forward_unsupported`'s)."""
     why = _options_unsupported(dtype, **options)
     if why is not None:
         return why
     head_dim = q_shape[-1]
     if head_dim not in BACKWARD_HEAD_DIMS:
         return f"head_dim {head_dim} in the backward (one of {BACKWARD_HEAD_DIMS})"
+    if packed:
+        return _packed_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows or kv_rows % config.rows:  # (and so of block_kv_dq)
         return f"Tq={q_rows}, Tk={kv_rows} in the backward: multiples of {config.rows}"
     return _smem_unsupported(config, head_dim, dtype)
+
+
+def _packed_unsupported(q_shape, k_shape) -> str | None:
+    """TMA reads rows in tiles of ROW_ALIGN: a packed batch's arrays must hold whole ones."""
+    if q_shape[0] % ROW_ALIGN or k_shape[0] % ROW_ALIGN:
+        return f"packed Tq={q_shape[0]}, Tk={k_shape[0]}: multiples of {ROW_ALIGN}"
+    return None
 
 
 def _smem_unsupported(config, head_dim: int, dtype) -> str | None:
