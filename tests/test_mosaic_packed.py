@@ -1,4 +1,4 @@
-"""Packed (`cu_seqlens`) batches on the Hopper (Mosaic GPU) forward.
+"""Packed (`cu_seqlens`) batches on the Hopper (Mosaic GPU) forward and backward.
 
 Sequence b owns query rows `cu_seqlens_q[b] : cu_seqlens_q[b + 1]` and keys
 `cu_seqlens_k[b] : cu_seqlens_k[b + 1]`; rows past `cu_seqlens_q[-1]` are padding (zeros,
@@ -9,8 +9,8 @@ into place after the kernel (`packed.py`).
 On CPU: the tile table and the tails place every row exactly once, in its own sequence's
 tile at its own row (the invariant that keeps blocks from overwriting each other's rows);
 the kernel lowers for CUDA; the selection logic. On an sm90 GPU: the kernel against the
-float64 oracle with the padding past `cu_seqlens[-1]` poisoned, and
-`jaxattn.ragged_attention` taking it (its gradient through the Triton backward).
+float64 oracle with the padding past `cu_seqlens[-1]` poisoned (the backward's dq, dk,
+dv with an lse cotangent too), and `jaxattn.ragged_attention` taking both kernels.
 """
 
 from __future__ import annotations
