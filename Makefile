@@ -52,7 +52,7 @@ test-gpu-rest:
 # check on another sm90 kind (H200).
 test-gpu-mosaic:
 	$(GPU_PYTEST) tests/test_mosaic.py tests/test_mosaic_backward.py tests/test_mosaic_lengths.py \
-		tests/test_mosaic_packed.py
+		tests/test_mosaic_packed.py tests/test_mosaic_sinks.py
 
 bench:
 	PYTHONPATH=. $(GPU_PY) -m bench.run

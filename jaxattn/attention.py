@@ -177,11 +177,7 @@ def _ring_backward(static: _Static, config):
 def _hopper_options(static: _Static, extras) -> dict:
     """The call's options that decide whether a Hopper kernel covers it
     (`pallas_kernels.mosaic.support`; both cover q/kv lengths)."""
-    return dict(
-        packed=static.packed,
-        sink_tokens=static.sink_tokens,
-        terms=any(x is not None for x in extras),
-    )
+    return dict(packed=static.packed, terms=any(x is not None for x in extras))
 
 
 def forward_backend(static: _Static, config, q, k, extras, device=None):
@@ -206,7 +202,8 @@ def _pallas_local(
         run = mosaic_forward_packed if static.packed else mosaic_forward
         out, lse = run(
             q, k, v, *lengths, causal=static.causal, window=static.window,
-            soft_cap=static.soft_cap, scale=static.scale, config=tiling,
+            sink_tokens=static.sink_tokens, soft_cap=static.soft_cap, scale=static.scale,
+            config=tiling,
         )  # fmt: skip
         return out, (lse if static.return_lse else None)
     params = _params(static)
@@ -378,7 +375,8 @@ def _backward_local(
         run = mosaic_backward_packed if static.packed else mosaic_backward
         dq, dk, dv = run(
             q, k, v, out, lse, g_out, g_lse, len_q, len_k, causal=static.causal,
-            window=static.window, soft_cap=static.soft_cap, scale=static.scale, config=tiling,
+            window=static.window, sink_tokens=static.sink_tokens, soft_cap=static.soft_cap,
+            scale=static.scale, config=tiling,
         )  # fmt: skip
         return dq, dk, dv, None, None, None
     backward = (backward or FlashBackwardConfig()).resolve(
@@ -558,8 +556,8 @@ def attention(
         NotImplementedError falls through to the next), or None (pallas on GPU, else xla).
       config: a `FlashPrefillConfig` for the pallas kernels; None picks a heuristic. Its
         `backend` says which forward runs: "auto" (the Hopper kernel on sm90 when it
-        covers the call: bf16/fp16, head_dim 64/128/256, lengths or none, no sinks
-        or bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
+        covers the call: bf16/fp16, head_dim 64/128/256, lengths or none, sinks or
+        none, no bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
         "triton", or "mosaic" (NotImplementedError, with the reason, where it cannot).
         `config.backward.backend` says the same of the gradient's kernels (the Hopper
         ones: the forward's coverage at head_dim 64/128, Tq and Tk multiples of 128).

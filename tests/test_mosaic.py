@@ -29,7 +29,8 @@ from pallas_kernels.mosaic import (
     mosaic_forward,
     select_forward,
 )
-from pallas_kernels.mosaic.forward import block_range
+from pallas_kernels.mosaic.common import consumer_steps, key_ring
+from pallas_kernels.mosaic.forward import block_range, key_blocks
 
 ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
     "9."
@@ -77,7 +78,6 @@ def test_auto_takes_mosaic_on_hopper_only():
     "change, reason",
     [
         (dict(static=_static(packed=True)), "packed"),
-        (dict(static=_static(sink_tokens=4, window=64)), "sink"),
         (dict(extras=(jnp.ones(8), None, None, None)), "ALiBi"),
         (dict(static=_static(out_fp8=True)), "FP8"),
         (dict(dtype=jnp.float32), "float32"),
@@ -94,7 +94,9 @@ def test_uncovered_calls_fall_back_or_raise(change, reason):
 
 
 def test_covered_options():
-    for static in (_static(causal=False), _static(window=100), _static(soft_cap=30.0)):
+    covered = (_static(causal=False), _static(window=100), _static(soft_cap=30.0),
+               _static(window=100, sink_tokens=4))  # fmt: skip
+    for static in covered:
         assert _backend(static) == "mosaic"
     for d in (64, 256):
         assert _backend(q_shape=(1, 256, 4, d), k_shape=(1, 1024, 4, d)) == "mosaic"
@@ -139,7 +141,7 @@ def test_config_validation():
     huge = MosaicForwardConfig(block_kv=128, num_stages=4)
     assert "shared memory" in forward_unsupported(
         (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False,
-        sink_tokens=0, terms=False, out_fp8=False, config=huge,
+        terms=False, out_fp8=False, config=huge,
     )  # fmt: skip
 
 
@@ -207,6 +209,77 @@ def test_block_range_matches_visibility(causal, window, kv_len, kv_first):
             )
             where = f"rows {first}..{first + rows - 1}"
             assert_range_matches((lo, hi, full_lo, full_hi), any_seen, all_seen, where)
+
+
+def _visible(pos, keys, *, causal, window, sink_tokens=0, kv_len=None, kv_first=None):
+    """Brute-force visibility of keys `[1, K]` to positions `[R, 1]` (`jaxattn.reference`'s
+    rule; sinks: the sequence's first `sink_tokens` keys, from `kv_first` in a packed one)."""
+    first = 0 if kv_first is None else kv_first
+    seen = np.broadcast_to(keys >= first, (pos.shape[0], keys.shape[1])).copy()
+    if causal:
+        seen &= keys <= pos
+    if window is not None:
+        seen &= (keys > pos - window) | (keys < first + sink_tokens)
+    if kv_len is not None:
+        seen &= keys < kv_len
+    return seen
+
+
+@pytest.mark.parametrize("causal, window", [(True, 37), (False, 37), (True, 100), (True, 16)])
+@pytest.mark.parametrize("sink_tokens", [1, 5, 20, 40])
+@pytest.mark.parametrize("kv_len, kv_first", [(None, None), (150, None), (150, 5), (190, 7)])
+def test_key_ring_covers_sinks(causal, window, sink_tokens, kv_len, kv_first):
+    """The forward's and the dQ kernel's walk with sinks (`key_ring`, `consumer_steps`):
+    for each consumer of a two-consumer tile, the ring steps it computes load distinct
+    blocks, every block holding a key one of its rows sees among them; the unmasked steps
+    load blocks every row sees in full; the producer's steps load distinct blocks."""
+    block, num_blocks, rows = 16, 12, 16
+    keys = np.arange(block * num_blocks)[None, :]
+    with_sinks = 0
+    kv_end = block * num_blocks if kv_len is None else kv_len
+    for tile_first in range(-40, block * num_blocks + 8, 7):
+        # Real rows sit before the keys' end (positions bottom-right aligned); without
+        # lengths every row of a tile is real.
+        if kv_len is None and tile_first + 2 * rows > kv_end:
+            continue
+        q_lens = (kv_end,) if kv_len is None else (kv_end, min(tile_first + 20, kv_end))
+        for q_len in q_lens:
+
+            def blocks_of(c, q_len=q_len, tile_first=tile_first):
+                return key_blocks(
+                    jnp.int32(tile_first + c * rows), rows,
+                    q_len=jnp.int32(q_len), offset=0,
+                    kv_len=None if kv_len is None else jnp.int32(kv_len),
+                    kv_first=None if kv_first is None else jnp.int32(kv_first),
+                    causal=causal, window=window, num_blocks=num_blocks, block_kv=block,
+                )  # fmt: skip
+
+            ring = key_ring(blocks_of, window=window, sink_tokens=sink_tokens, block_kv=block,
+                            kv_first=None if kv_first is None else jnp.int32(kv_first))  # fmt: skip
+            first, lo, hi = (int(x) for x in ring)
+            with_sinks += first < lo
+            loaded = [int(ring.block(jnp.int32(s))) for s in range(first, hi)]
+            assert len(set(loaded)) == len(loaded), loaded
+            assert all(0 <= j < num_blocks for j in loaded), loaded
+            for c in range(2):
+                pos = np.arange(tile_first + c * rows, tile_first + (c + 1) * rows)
+                pos = pos[pos < q_len]
+                seen = _visible(pos[:, None], keys, causal=causal, window=window,
+                                sink_tokens=sink_tokens, kv_len=kv_len,
+                                kv_first=kv_first)  # fmt: skip
+                per_block = seen.reshape(pos.size, num_blocks, block)
+                needed = set(np.flatnonzero(per_block.any(axis=(0, 2))).tolist())
+                full = per_block.all(axis=(0, 2)) & (pos.size > 0)
+                my_lo, my_hi, full_lo, full_hi = (
+                    int(x) for x in consumer_steps(ring, blocks_of(c))
+                )
+                where = f"tile {tile_first} q_len {q_len} consumer {c}"
+                assert first <= my_lo <= full_lo <= full_hi <= my_hi <= hi, where
+                computed = [int(ring.block(jnp.int32(s))) for s in range(my_lo, my_hi)]
+                assert needed <= set(computed), (where, needed - set(computed))
+                unmasked = [int(ring.block(jnp.int32(s))) for s in range(full_lo, full_hi)]
+                assert all(full[j] for j in unmasked), (where, unmasked)
+    assert with_sinks, "no tile took the sink steps: the test is vacuous"
 
 
 LOWERED = [  # (D, causal, window, soft_cap, Tq, Tk, Hq, Hkv, dtype)

@@ -65,7 +65,6 @@ def test_auto_takes_mosaic_on_hopper_only():
     "change, reason",
     [
         (dict(packed=True), "packed"),
-        (dict(sink_tokens=4), "sink"),
         (dict(terms=True), "ALiBi"),
         (dict(dtype=jnp.float32), "float32"),
         (dict(q_shape=(2, 512, 8, 256), k_shape=(2, 512, 2, 256)), "head_dim 256"),
@@ -136,16 +135,16 @@ def test_attention_gradient_calls_the_selected_kernels(monkeypatch, selected, wi
     lengths = dict(q_lengths=jnp.array([100]), kv_lengths=jnp.array([120])) if with_lengths else {}
 
     def loss(q, k, v):
-        out, lse = jaxattn.attention(q, k, v, causal=True, window=40, soft_cap=20.0, scale=0.3,
-                                     return_lse=True, implementation="pallas",
-                                     **lengths)  # fmt: skip
+        out, lse = jaxattn.attention(q, k, v, causal=True, window=40, sink_tokens=3,
+                                     soft_cap=20.0, scale=0.3, return_lse=True,
+                                     implementation="pallas", **lengths)  # fmt: skip
         return jnp.sum(out) + (3.0 * jnp.sum(lse) if with_lse else 0.0)
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    assert seen["select"] == dict(masked=True, packed=False, sink_tokens=0, terms=False)
+    assert seen["select"] == dict(masked=True, packed=False, terms=False)
     if selected:
-        assert seen["backward"] == dict(causal=True, window=40, soft_cap=20.0, scale=0.3,
-                                        config=tiling)  # fmt: skip
+        assert seen["backward"] == dict(causal=True, window=40, sink_tokens=3, soft_cap=20.0,
+                                        scale=0.3, config=tiling)  # fmt: skip
         if with_lengths:
             assert [x.tolist() for x in seen["lengths"]] == [[100], [120]]
         else:
@@ -199,10 +198,12 @@ def test_ring_block_gradient_calls_the_selected_kernels(monkeypatch, selected):
 @pytest.mark.parametrize(
     "offset, lengths", [(0, None), (24, None), (-40, None), (None, (100, 124)), (None, (150, 97))]
 )
-def test_query_block_range_matches_visibility(causal, window, offset, lengths):
+@pytest.mark.parametrize("sink_tokens", [0, 5, 20])
+def test_query_block_range_matches_visibility(causal, window, offset, lengths, sink_tokens):
     """As the forward's key-block ranges (`test_mosaic.py`), for the dK/dV kernel's query
     blocks; with lengths (q_len, kv_len) rows past q_len and keys past kv_len see
-    nothing, and row r sits at position r + kv_len - q_len."""
+    nothing, and row r sits at position r + kv_len - q_len; with a window the first
+    `sink_tokens` keys are seen by every row at or past them."""
     block, num_blocks = 16, 10
     rows = np.arange(block * num_blocks)
     q_len, kv_len = lengths or (None, None)
@@ -216,7 +217,7 @@ def test_query_block_range_matches_visibility(causal, window, offset, lengths):
             if causal:
                 visible &= keys <= pos
             if window is not None:
-                visible &= keys > pos - window
+                visible &= (keys > pos - window) | (keys < sink_tokens)
             if lengths:
                 visible &= (rows[:, None] < q_len) & (keys < kv_len)
             per_block = visible.reshape(num_blocks, block, count)
@@ -233,6 +234,7 @@ def test_query_block_range_matches_visibility(causal, window, offset, lengths):
                     offset=jnp.int32(offset),
                     num_blocks=num_blocks,
                     block_q=block,
+                    sink_tokens=sink_tokens,
                     **extra,
                 )  # fmt: skip
             )
@@ -245,12 +247,14 @@ PACKED_LEADS = [(100, 124, 5, 3), (150, 97, 7, 0), (40, 40, 0, 7), (6, 90, 5, 2)
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, 37), (True, 37), (False, None)])
 @pytest.mark.parametrize("q_len, kv_len, q_first, kv_first", PACKED_LEADS)
+@pytest.mark.parametrize("sink_tokens", [0, 20])
 def test_query_block_range_covers_packed_visibility(causal, window, q_len, kv_len, q_first,
-                                                    kv_first):  # fmt: skip
+                                                    kv_first, sink_tokens):  # fmt: skip
     """A packed sequence read from starts rounded down to 8: rows below q_first and keys
-    below kv_first are its neighbours' and see nothing. Every block with a visible pair is
-    in [lo, hi) and [full_lo, full_hi) holds only fully visible blocks (the range may be
-    loose there: the extra blocks are masked)."""
+    below kv_first are its neighbours' and see nothing (its sinks are its first keys,
+    from kv_first). Every block with a visible pair is in [lo, hi) and [full_lo, full_hi)
+    holds only fully visible blocks (the range may be loose there: the extra blocks are
+    masked)."""
     block, num_blocks = 16, 10
     rows = np.arange(block * num_blocks)
     offset = kv_len - q_len
@@ -263,13 +267,13 @@ def test_query_block_range_covers_packed_visibility(causal, window, q_len, kv_le
             if causal:
                 visible &= keys <= pos
             if window is not None:
-                visible &= keys > pos - window
+                visible &= (keys > pos - window) | (keys < kv_first + sink_tokens)
             per_block = visible.reshape(num_blocks, block, count)
             lo, hi, full_lo, full_hi = (int(x) for x in query_block_range(
                 jnp.int32(first), jnp.int32(first + count - 1), causal=causal, window=window,
                 offset=jnp.int32(offset), num_blocks=num_blocks, block_q=block,
                 q_len=jnp.int32(q_len), kv_len=jnp.int32(kv_len), q_first=jnp.int32(q_first),
-                kv_first=jnp.int32(kv_first),
+                kv_first=jnp.int32(kv_first), sink_tokens=sink_tokens,
             ))  # fmt: skip
             where = f"keys {first}..{first + count - 1}"
             seen = np.flatnonzero(per_block.any(axis=(1, 2)))

@@ -8,11 +8,12 @@ do not need (waiting and arriving, so barrier phases stay in step).
 - dQ: a consumer holds 64 query rows of one head (Q, dO in shared memory; lse, delta in
   registers) and walks the key blocks they see: S = Q K^T, P = exp2(S' - lse), dP = dO
   V^T, dS = P (dP - delta), dQ += dS K. Causal blocks launch the last query tiles (the
-  ones seeing the most keys) first.
+  ones seeing the most keys) first. Sinks: as the forward (`common.key_ring`).
 - dK/dV: a consumer holds 64 keys of one kv head (K, V in shared memory) and walks, for
   each query head of the group in turn, the query blocks that see them: S^T = K Q^T,
   P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q. The group's
-  sum stays in registers: no per-query-head dK/dV in HBM.
+  sum stays in registers: no per-query-head dK/dV in HBM. A tile holding sinks walks
+  every query block at or past them (`query_block_range`).
 
 The two kernels compute S and dP twice (7 GEMMs where a fused dQ needs 5). Tried on the
 H100 and slower (`bench/RESULTS.md`, probe of 2026-11-25 19:40 UTC; GQA 32/8 D128): a
@@ -45,14 +46,18 @@ from pallas_kernels.mosaic.common import (
     PRODUCER_REGISTERS,
     Tile,
     clip,
+    consumer_steps,
     dense_tile,
     floor_div,
     imax,
     imin,
+    kernel_options,
+    key_ring,
     load_plgpu,
     produce,
     ring_steps,
     sequence_lengths,
+    sink_end,
     slot_of,
     split_refs,
     visible,
@@ -73,7 +78,8 @@ _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
 
 
 def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q,
-                      q_len=None, kv_len=None, q_first=None, kv_first=None):  # fmt: skip
+                      q_len=None, kv_len=None, q_first=None, kv_first=None,
+                      sink_tokens: int = 0):  # fmt: skip
     """(lo, hi, full_lo, full_hi): the query blocks `[lo, hi)` with a row that sees some
     key of `first_key..last_key` (row r sits at position r + offset), and the blocks
     `[full_lo, full_hi)` whose every row sees every one of those keys. With lengths
@@ -81,7 +87,8 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
     and keys at or past kv_len see nothing; without, q_len is not read. Packed batches
     (`q_first`, `kv_first`): rows and keys below them are the sequence before's, so the
     blocks holding them are masked (the range may then hold blocks no real row of which
-    sees a key: masked, only slower)."""
+    sees a key: masked, only slower). `sink_tokens` (with a window): the sequence's first
+    keys, which every row at or past them sees."""
     lo = full_lo = 0
     hi = full_hi = num_blocks
     if causal:  # rows r >= key - offset see the key
@@ -89,7 +96,13 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
         full_lo = clip(floor_div(last_key - offset + block_q - 1, block_q), 0, num_blocks)
     if window is not None:  # rows r <= key + window - 1 - offset see the key
         hi = clip(floor_div(last_key + window - offset + block_q - 1, block_q), 0, num_blocks)
-        full_hi = clip(floor_div(first_key + window - offset, block_q), 0, num_blocks)
+        first_windowed = first_key  # the first key the window bounds
+        if sink_tokens:  # a sink is seen by every later row
+            first_windowed = imax(first_key, sink_end(sink_tokens, kv_first))
+            hi = jnp.where(first_key < first_windowed, num_blocks, hi)
+        full_hi = clip(floor_div(first_windowed + window - offset, block_q), 0, num_blocks)
+        if sink_tokens:
+            full_hi = jnp.where(last_key < first_windowed, num_blocks, full_hi)
     if kv_len is not None:
         hi = imin(hi, floor_div(q_len + block_q - 1, block_q))  # cdiv(q_len)
         full_hi = imin(full_hi, floor_div(q_len, block_q))
@@ -106,12 +119,12 @@ def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks
 
 
 def _logits(qk, *, rows_first, keys_first, transposed, causal, window, kv_len, soft_cap, scale,
-            masked, kv_first=None, pos_range=None):  # fmt: skip
+            masked, kv_first=None, pos_range=None, sink_tokens=0):  # fmt: skip
     """Base-2 logits of an S tile `[rows, keys]` (or S^T `[keys, rows]`: `transposed`) and
     the soft-cap's derivative factor `1 - tanh^2` (None without a cap). Masked: invisible
     entries at MASK_VALUE. rows_first / keys_first: positions of the tile's first row/key;
     kv_len: with lengths, the sequence's key count (else None); kv_first, pos_range:
-    a packed batch's (`common.visible`)."""
+    a packed batch's; sink_tokens: as `common.visible`'s."""
     plgpu = load_plgpu()
     t = None
     if soft_cap is None:
@@ -127,7 +140,7 @@ def _logits(qk, *, rows_first, keys_first, transposed, causal, window, kv_len, s
             (c + rows_first, a + keys_first) if transposed else (a + rows_first, c + keys_first)
         )
         seen = visible(pos, key, causal=causal, window=window, kv_len=kv_len,
-                       kv_first=kv_first, pos_range=pos_range)  # fmt: skip
+                       kv_first=kv_first, pos_range=pos_range, sink_tokens=sink_tokens)  # fmt: skip
         s = jnp.where(seen, s, MASK_VALUE)
     return s, None if t is None else 1.0 - t * t
 
@@ -188,8 +201,8 @@ def _store(tile: Tile, pairs, tail_refs, at, wg, head):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, group, stages,
-               block_kv):  # fmt: skip
+def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap, scale, group,
+               stages, block_kv):  # fmt: skip
     # q, do [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse (base 2), delta [B, Hq, Tq] float32;
     # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D]. Packed (B = 1): the query
     # tiles' table instead of the lengths, and after dq its tails [2S, 128, Hq, D].
@@ -217,14 +230,15 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, grou
                           kv_first=kv_first, causal=causal, window=window,
                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
-    lo, hi = ring_steps(blocks_of)
+    ring = key_ring(blocks_of, window=window, sink_tokens=sink_tokens, block_kv=block_kv,
+                    kv_first=kv_first)  # fmt: skip
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         first_row = tile.row + wg * _ROWS  # in the sequence
         at = tile.q_base + first_row  # in the arrays
-        my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
+        my_lo, my_hi, full_lo, full_hi = consumer_steps(ring, blocks_of(wg))
         q_smem, do_smem, row_smem = q_smem2.at[wg], do_smem2.at[wg], row_smem2.at[wg]
         rows = (b, pl.ds(at, _ROWS), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, in_barriers.at[wg])
@@ -258,10 +272,11 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, grou
             zeros = plgpu.layout_cast(jnp.zeros((_ROWS, block_kv), jnp.float32), plgpu.Layout.WGMMA)
             qk, dp = pl.run_state(gemms)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
             plgpu.barrier_arrive(v_consumed.at[slot])
-            s, cap_grad = _logits(qk, rows_first=first_row + offset, keys_first=step * block_kv,
-                                  transposed=False, causal=causal, window=window,
-                                  kv_len=kv_limit, kv_first=kv_first, soft_cap=soft_cap,
-                                  scale=scale, masked=masked)  # fmt: skip
+            s, cap_grad = _logits(qk, rows_first=first_row + offset,
+                                  keys_first=ring.block(step) * block_kv, transposed=False,
+                                  causal=causal, window=window, kv_len=kv_limit,
+                                  kv_first=kv_first, sink_tokens=sink_tokens,
+                                  soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             ds16 = _dscores(p, dp, delta, cap_grad, row_axis=0, dtype=dtype)
 
@@ -272,7 +287,8 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, grou
             plgpu.barrier_arrive(k_consumed.at[slot])
             return dq
 
-        dq = _walk((lo, my_lo, full_lo, full_hi, my_hi, hi), step_body, pass_over, dq)
+        bounds = (ring.first, my_lo, full_lo, full_hi, my_hi, ring.hi)
+        dq = _walk(bounds, step_body, pass_over, dq)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
         _store(tile, ((q_smem, dq_ref),), tail_ref, rows, wg, h)
@@ -284,17 +300,17 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, grou
 
         def load(step, wait):
             slot = slot_of(step, stages)
-            rows = (b, pl.ds(tile.k_base + step * block_kv, block_kv), kvh)
+            rows = (b, pl.ds(tile.k_base + ring.block(step) * block_kv, block_kv), kvh)
             for src, dst, loaded, consumed in sources:
                 if wait:
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
-        produce(lo, hi, stages, load)
+        produce(ring.first, ring.hi, stages, load)
 
 
-def _dkdv_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, group, stages,
-                 block_q):  # fmt: skip
+def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap, scale,
+                 group, stages, block_q):  # fmt: skip
     # The dQ kernel's inputs (and lengths, or packed the key tiles' table); dk, dv
     # [B, Tk, Hkv, D] (packed: then their tails [2S, 128, Hkv, D]).
     inputs, lengths_ref, (dk_ref, dv_ref, *tail_refs, smem, barriers) = split_refs(
@@ -320,7 +336,7 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, gr
         return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
                                  offset=offset, num_blocks=num_blocks, block_q=block_q,
                                  q_len=q_len, kv_len=kv_limit, q_first=seq.q_first,
-                                 kv_first=seq.kv_first)  # fmt: skip
+                                 kv_first=seq.kv_first, sink_tokens=sink_tokens)  # fmt: skip
 
     lo, hi = ring_steps(blocks_of)
     span = hi - lo  # ring steps per query head: head g's block j is step g * span + j - lo
@@ -362,8 +378,8 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, gr
                 s, cap_grad = _logits(qk, rows_first=j * block_q + offset, keys_first=first_key,
                                       transposed=True, causal=causal, window=window,
                                       kv_len=kv_limit, kv_first=seq.kv_first,
-                                      pos_range=pos_range, soft_cap=soft_cap, scale=scale,
-                                      masked=masked)  # fmt: skip
+                                      pos_range=pos_range, sink_tokens=sink_tokens,
+                                      soft_cap=soft_cap, scale=scale, masked=masked)  # fmt: skip
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
 
                 def dv_dp_gemms(refs):
@@ -412,12 +428,13 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, soft_cap, scale, gr
         produce(0, group * span, stages, load)
 
 
-_STATIC = ("causal", "window", "soft_cap", "scale", "config")
+_STATIC = ("causal", "window", "sink_tokens", "soft_cap", "scale", "config")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_lengths=None, *,
-                    causal=False, window=None, soft_cap=None, scale=1.0, config=None):  # fmt: skip
+                    causal=False, window=None, sink_tokens=0, soft_cap=None, scale=1.0,
+                    config=None):  # fmt: skip
     """(dq, dk, dv) of dense flash attention from its forward's residuals (either
     forward kernel's: both return the natural lse).
 
@@ -431,7 +448,8 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
       q_lengths, kv_lengths: the forward's (int `[B]` or None). Padding may hold anything:
         one XLA pass zeroes the padding rows of q, g_out (query rows) and k, v (keys), which
         the GEMMs multiply by zero weights; padding rows and keys get zero gradients.
-      causal, window, soft_cap, scale: the forward's (queries bottom-right aligned).
+      causal, window, sink_tokens, soft_cap, scale: the forward's (queries bottom-right
+        aligned).
       config: a `MosaicBackwardConfig`; None picks `MosaicBackwardConfig.heuristic`.
 
     Returns:
@@ -452,14 +470,14 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
         real_row = jnp.arange(q_rows)[None, None, :] < lengths[0][:, None, None]  # [B, 1, Tq]
     lse2, delta = _row_terms(out, g_out, lse, g_lse, real_row)
     grids = ((q_rows // rows, batch), (kv_rows // rows, batch))
-    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     return _launch(q, k, v, g_out, lse2, delta, lengths, grids=grids, config=config, **options)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seqlens_k, *,
-                           causal=False, window=None, soft_cap=None, scale=1.0,
-                           config=None):  # fmt: skip
+                           causal=False, window=None, sink_tokens=0, soft_cap=None,
+                           scale=1.0, config=None):  # fmt: skip
     """(dq, dk, dv) of packed flash attention (`mosaic_forward_packed`'s layout) from its
     forward's residuals.
 
@@ -469,7 +487,7 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
         or None; cu_seqlens_q, cu_seqlens_k: int `[B + 1]` as the forward's. Rows past
         `cu_seqlens_q[-1]` and keys past `cu_seqlens_k[-1]` may hold anything (zeroed in
         one XLA pass) and get zero gradients.
-      causal, window, soft_cap, scale, config: as `mosaic_backward`'s.
+      causal, window, sink_tokens, soft_cap, scale, config: as `mosaic_backward`'s.
 
     Returns:
       (dq, dk, dv) in the inputs' shapes and dtype. The dQ kernel tiles each sequence's
@@ -490,7 +508,7 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
     tables = tuple(tile_table(batch, config.rows, n, axis=axis, **order)
                    for n, axis in ((q_rows, "q"), (kv_rows, "kv")))  # fmt: skip
     grids = tuple((table.shape[0], 1) for table in tables)
-    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     (dq, dq_tail), (dk, dv, dk_tail, dv_tail) = _launch(
         q, k, v, g_out, lse2, delta, tables, grids=grids, config=config,
         num_tails=2 * batch.q_len.shape[0], **options,

@@ -19,19 +19,24 @@ CONSUMER_REGISTERS = 232  # what the consumers take back (wgmma accumulators)
 __all__ = [
     "CONSUMERS",
     "CONSUMER_REGISTERS",
+    "KeyRing",
     "PRODUCER_REGISTERS",
     "Sequence",
     "Tile",
     "clip",
+    "consumer_steps",
     "dense_tile",
     "floor_div",
     "imax",
     "imin",
+    "kernel_options",
+    "key_ring",
     "load_plgpu",
     "produce",
     "ring_steps",
     "sequence_lengths",
     "sequence_of",
+    "sink_end",
     "slot_of",
     "split_refs",
     "union",
@@ -77,23 +82,34 @@ def slot_of(step, stages: int):
 
 
 def visible(pos, key, *, causal: bool, window: int | None, kv_len=None, kv_first=None,
-            pos_range=None):  # fmt: skip
+            pos_range=None, sink_tokens: int = 0):  # fmt: skip
     """Whether the query at position `pos` sees the key at `key` (arrays of one shape):
-    causal (key <= pos), within the window (key > pos - window) and, with lengths, a
-    real key (key < kv_len, and key >= kv_first where given: a packed sequence's keys
-    start there); `pos_range` (lo, hi): only queries at positions `lo <= pos < hi` are
-    the sequence's (the dK/dV kernel of a packed batch reads the neighbours' rows too).
-    At least one of them is set."""
+    causal (key <= pos), within the window (key > pos - window, or one of the sequence's
+    first `sink_tokens` keys) and, with lengths, a real key (key < kv_len, and key >=
+    kv_first where given: a packed sequence's keys start there); `pos_range` (lo, hi):
+    only queries at positions `lo <= pos < hi` are the sequence's (the dK/dV kernel of a
+    packed batch reads the neighbours' rows too). At least one of them is set."""
     conditions = [] if kv_first is None else [key >= kv_first]
     if pos_range is not None:
         conditions += [pos >= pos_range[0], pos < pos_range[1]]
     if causal:
         conditions.append(key <= pos)
     if window is not None:
-        conditions.append(key > pos - window)
+        in_window = key > pos - window
+        if sink_tokens:
+            in_window = in_window | (key < sink_end(sink_tokens, kv_first))
+        conditions.append(in_window)
     if kv_len is not None:
         conditions.append(key < kv_len)
     return functools.reduce(lambda a, b: a & b, conditions)
+
+
+def kernel_options(causal, window, sink_tokens, soft_cap, scale) -> dict:
+    """A kernel's static options from a wrapper's arguments; sinks only count with a
+    window (`jaxattn.attention`'s rule)."""
+    sink_tokens = sink_tokens if window is not None else 0
+    return dict(causal=causal, window=window, sink_tokens=sink_tokens, soft_cap=soft_cap,
+                scale=scale)  # fmt: skip
 
 
 def sequence_lengths(q_lengths, kv_lengths, batch: int, q_rows: int, kv_rows: int):
@@ -195,6 +211,53 @@ def union(lo0, hi0, lo1, hi1):
     lo = jnp.where(hi1 > lo1, jnp.minimum(lo, lo1), lo)
     hi = imax(hi0, hi1)
     return imin(lo, hi), hi
+
+
+def sink_end(sink_tokens: int, kv_first=None):
+    """The first key past a sequence's sinks (its first `sink_tokens` keys)."""
+    return sink_tokens if kv_first is None else kv_first + sink_tokens
+
+
+class KeyRing(NamedTuple):
+    """The key blocks a query tile's producer loads, as ring steps `[first, hi)`: steps
+    `[lo, hi)` load block `step` (the union of the consumers' window ranges), and with
+    attention sinks below `lo` steps `[first, lo)` load the sink blocks `0 .. lo - first`
+    first. Without sinks `first` is `lo` and a step is its block."""
+
+    first: object
+    lo: object
+    hi: object
+
+    def block(self, step):
+        """The key block ring step `step` loads."""
+        if self.first is self.lo:
+            return step
+        return jnp.where(step < self.lo, step - self.first, step)
+
+
+def key_ring(blocks_of, *, window, sink_tokens: int, block_kv: int, kv_first=None) -> KeyRing:
+    """The forward's and the dQ kernel's ring of key blocks: both consumers' ranges
+    (`ring_steps`) and, with a window and sinks, the sink blocks below them."""
+    lo, hi = ring_steps(blocks_of)
+    if window is None or not sink_tokens:
+        return KeyRing(lo, lo, hi)
+    if kv_first is None:
+        sink_blocks = -(-sink_tokens // block_kv)  # a Python int: no array constant
+    else:
+        sink_blocks = floor_div(kv_first + sink_tokens + block_kv - 1, block_kv)
+    sinks = imin(sink_blocks, lo)
+    return KeyRing(lo - sinks, lo, hi)
+
+
+def consumer_steps(ring: KeyRing, bounds):
+    """A key-streaming consumer's `(my_lo, my_hi, full_lo, full_hi)` in ring steps: its
+    `block_range` bounds `within` the ring and, where the ring has sink steps, reaching
+    down to them when it sees any key (a row that sees a key sees the sinks; the blocks
+    between them and its own range are masked: correct, only slower)."""
+    my_lo, my_hi, full_lo, full_hi = within(bounds, ring.first, ring.hi)
+    if ring.first is not ring.lo:
+        my_lo = jnp.where(my_hi > my_lo, ring.first, my_lo)
+    return my_lo, my_hi, full_lo, full_hi
 
 
 def within(bounds, lo, hi):

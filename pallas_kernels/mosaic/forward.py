@@ -21,8 +21,10 @@ warpgroups (FlashAttention-3, Shah et al. 2024):
 
 Semantics are those of `jaxattn.reference` for a dense batch: query row r sits at position
 `r + Tk - Tq` (bottom-right aligned; with lengths, `r + kv_len - q_len` of its sequence),
-causal hides keys past it, a window W keeps keys `j > p - W`, keys at or past `kv_len`
-are padding, and the soft-cap bends the scaled logits. Key blocks a consumer's rows
+causal hides keys past it, a window W keeps keys `j > p - W` and the sequence's first
+`sink_tokens` keys (attention sinks: the producer loads their blocks below the window's
+as extra ring steps, `common.key_ring`), keys at or past `kv_len` are padding, and the
+soft-cap bends the scaled logits. Key blocks a consumer's rows
 cannot see are skipped (the producer loads the union of both consumers' ranges; a
 consumer passes over the blocks outside its own, waiting and arriving so the barriers'
 phases stay in step). Masks are computed only on blocks that straddle a boundary. Rows
@@ -48,18 +50,19 @@ from pallas_kernels.mosaic.common import (
     CONSUMERS,
     PRODUCER_REGISTERS,
     clip,
+    consumer_steps,
     dense_tile,
     floor_div,
     imax,
     imin,
+    kernel_options,
+    key_ring,
     load_plgpu,
     produce,
-    ring_steps,
     sequence_lengths,
     slot_of,
     split_refs,
     visible,
-    within,
     zero_padding,
 )
 from pallas_kernels.mosaic.config import MosaicForwardConfig
@@ -130,6 +133,7 @@ def _kernel(
     packed: bool,
     causal: bool,
     window: int | None,
+    sink_tokens: int,
     soft_cap: float | None,
     scale: float,
     group: int,
@@ -174,7 +178,9 @@ def _kernel(
                           kv_len=kv_limit, kv_first=kv_first, causal=causal, window=window,
                           num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
-    lo, hi = ring_steps(blocks_of)  # the producer loads the union of both consumers' blocks
+    # The producer loads the union of both consumers' blocks (and the sinks below them).
+    ring = key_ring(blocks_of, window=window, sink_tokens=sink_tokens, block_kv=block_kv,
+                    kv_first=kv_first)  # fmt: skip
 
     def schedule_turn():  # FA3 section 3.2: consumers take turns on the tensor cores
         plgpu.barrier_arrive(schedule)
@@ -185,7 +191,7 @@ def _kernel(
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         first_row = rows_of(wg)
-        my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
+        my_lo, my_hi, full_lo, full_hi = consumer_steps(ring, blocks_of(wg))
         plgpu.copy_gmem_to_smem(
             q_ref.at[b, pl.ds(tile.q_base + first_row, block_q), h], qo_smem, q_barriers.at[wg]
         )
@@ -218,9 +224,9 @@ def _kernel(
             r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
             j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
             pos = r + (first_row + offset)
-            key = j + step * block_kv
+            key = j + ring.block(step) * block_kv
             seen = visible(pos, key, causal=causal, window=window, kv_len=kv_limit,
-                           kv_first=kv_first)  # fmt: skip
+                           kv_first=kv_first, sink_tokens=sink_tokens)  # fmt: skip
             return jnp.where(seen, s, MASK_VALUE)
 
         def softmax(qk, step, masked: bool, m, l):
@@ -268,7 +274,7 @@ def _kernel(
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l
 
-        lax.fori_loop(lo, my_lo, pass_over, None)
+        lax.fori_loop(ring.first, my_lo, pass_over, None)
         pl.when(wg == 1)(schedule_turn)
 
         @pl.when(my_lo < my_hi)
@@ -282,7 +288,7 @@ def _kernel(
         carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
         acc, m, l = lax.fori_loop(full_hi, my_hi, masked, carry)
         pl.when(wg == 0)(schedule_turn)
-        lax.fori_loop(my_hi, hi, pass_over, None)
+        lax.fori_loop(my_hi, ring.hi, pass_over, None)
 
         seen = m > _NO_KEY  # rows that saw a key
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
@@ -317,17 +323,17 @@ def _kernel(
             """K then V of block `step` into its slot, each copy once its own slot is free
             (`wait`): the next K can land while the consumers still read this V."""
             slot = slot_of(step, stages)
-            rows = (b, pl.ds(tile.k_base + step * block_kv, block_kv), kvh)
+            rows = (b, pl.ds(tile.k_base + ring.block(step) * block_kv, block_kv), kvh)
             for src, dst, loaded, consumed in ((k_ref, k_smem, k_loaded, k_consumed),
                                                (v_ref, v_smem, v_loaded, v_consumed)):  # fmt: skip
                 if wait:
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
-        produce(lo, hi, stages, load)
+        produce(ring.first, ring.hi, stages, load)
 
 
-_STATIC = ("causal", "window", "soft_cap", "scale", "config")
+_STATIC = ("causal", "window", "sink_tokens", "soft_cap", "scale", "config")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -340,6 +346,7 @@ def mosaic_forward(
     *,
     causal: bool = False,
     window: int | None = None,
+    sink_tokens: int = 0,
     soft_cap: float | None = None,
     scale: float = 1.0,
     config: MosaicForwardConfig | None = None,
@@ -356,7 +363,8 @@ def mosaic_forward(
         q_lengths[b]`. Padding may hold anything: one XLA pass zeroes v's padding rows
         (the P V GEMM multiplies them by zero weights, and 0 * NaN is NaN); the kernel
         masks the keys and zeroes the padding rows' output.
-      causal, window, soft_cap, scale: as `jaxattn.attention` (queries bottom-right aligned).
+      causal, window, sink_tokens, soft_cap, scale: as `jaxattn.attention` (queries
+        bottom-right aligned; sinks, the first `sink_tokens` keys, count with a window).
       config: tiling; None picks `MosaicForwardConfig.heuristic`.
 
     Returns:
@@ -375,7 +383,7 @@ def mosaic_forward(
     if lengths is not None:
         v = zero_padding(v, lengths[1])
     num_tiles = q_rows // config.rows
-    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     return _launch(q, k, v, lengths, grid=(num_tiles, batch), config=config, **options)
 
 
@@ -389,6 +397,7 @@ def mosaic_forward_packed(
     *,
     causal: bool = False,
     window: int | None = None,
+    sink_tokens: int = 0,
     soft_cap: float | None = None,
     scale: float = 1.0,
     config: MosaicForwardConfig | None = None,
@@ -403,7 +412,8 @@ def mosaic_forward_packed(
       cu_seqlens_q, cu_seqlens_k: int `[B + 1]`, non-decreasing from 0. Query row i of
         sequence b sits at position `i + kv_len[b] - q_len[b]` (bottom-right aligned).
         Padding rows may hold anything (one XLA pass zeroes v's past `cu_seqlens_k[-1]`).
-      causal, window, soft_cap, scale, config: as `mosaic_forward`'s.
+      causal, window, sink_tokens, soft_cap, scale, config: as `mosaic_forward`'s (the
+        sinks: each sequence's first keys).
 
     Returns:
       out `[Tq, Hq, D]` in q's dtype, lse float32 `[Hq, Tq]` (as `mosaic_forward`'s).
@@ -425,7 +435,7 @@ def mosaic_forward_packed(
     table = tile_table(batch, config.rows, q_rows, causal=causal, window=window)
     v = zero_padding(v[None], batch.k_start[-1:])
     num_slots = 2 * batch.q_len.shape[0]  # tail slots: two per sequence (`packed.py`)
-    options = dict(causal=causal, window=window, soft_cap=soft_cap, scale=scale)
+    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     out, lse, out_tail, lse_tail = _launch(
         q[None], k[None], v, table, grid=(table.shape[0], 1), config=config,
         num_tails=num_slots, **options,

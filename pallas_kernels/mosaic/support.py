@@ -76,17 +76,9 @@ def _select(config, tiling, device, unsupported, *args, **features):
     return None
 
 
-def _options_unsupported(
-    dtype,
-    *,
-    sink_tokens: int = 0,
-    terms: bool = False,
-    out_fp8: bool = False,
-) -> str | None:
+def _options_unsupported(dtype, *, terms: bool = False, out_fp8: bool = False) -> str | None:
     """The options neither Hopper kernel covers (the first one found), or None.
-    `terms`: a bias, mask, ALiBi or T5 table. (Both cover q and kv lengths.)"""
-    if sink_tokens:
-        return "sink tokens"
+    `terms`: a bias, mask, ALiBi or T5 table. (Both cover q and kv lengths and sinks.)"""
     if terms:
         return "bias, mask, ALiBi or T5 terms"
     if out_fp8:
@@ -103,9 +95,8 @@ def forward_unsupported(
     call, else the first reason it cannot.
 
     q_shape, k_shape: dense `[B, Tq, Hq, D]`, `[B, Tk, Hkv, D]`, or packed `[Tq, Hq, D]`,
-    `[Tk, Hkv, D]`; options: the call's `sink_tokens`, `terms`, `out_fp8`
-    (`_options_unsupported`). Causal, window, soft-cap, scale, GQA and q/kv lengths are
-    always covered.
+    `[Tk, Hkv, D]`; options: the call's `terms`, `out_fp8` (`_options_unsupported`).
+    Causal, window, sinks, soft-cap, scale, GQA and q/kv lengths are always covered.
     """
     why = _options_unsupported(dtype, **options)
     if why is not None:
