@@ -114,6 +114,11 @@ class Packed:
         return lengths
 
     @property
+    def padded_label(self) -> str:
+        """The label of the same sequences padded to the longest, with their lengths."""
+        return f"padded B{self.num_seqs} S{self.lengths().max()} causal, lengths"
+
+    @property
     def dense_equivalent(self) -> Dense:
         """The padded batch with the same sequence count and total tokens."""
         return Dense(self.num_seqs, self.total // self.num_seqs, causal=True)
@@ -183,14 +188,46 @@ def _dense_reference(q, k, v, causal: bool) -> jax.Array | None:
 
 def _packed_reference(q, k, v, lengths: Sequence[int], causal: bool) -> jax.Array | None:
     """The dense reference per sequence. q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]`."""
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        out = _dense_reference(q[None, start:end], k[None, start:end], v[None, start:end], causal)
+    for rows in sequence_slices(lengths):
+        out = _dense_reference(q[None, rows], k[None, rows], v[None, rows], causal)
         if out is None:
             return None
         outs.append(out[0])
     return jnp.concatenate(outs, axis=0)
+
+
+def cu_seqlens(lengths: Sequence[int]) -> jax.Array:
+    """int32 `[B+1]`: where each packed sequence starts, then the total."""
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def sequence_slices(lengths: Sequence[int]) -> list[slice]:
+    """The rows of each sequence in a packed `[T, ...]` array."""
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def pad_packed(x, lengths: Sequence[int], base=None) -> jax.Array:
+    """Packed rows `[T, ...]` into `base` `[B, max(lengths), ...]` (default zeros of x's
+    dtype): sequence b's rows at positions 0 .. lengths[b] - 1 of `base[b]`."""
+    if base is None:
+        base = jnp.zeros((len(lengths), int(max(lengths)), *x.shape[1:]), x.dtype)
+    seq_ids = np.repeat(np.arange(len(lengths)), lengths)
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    return base.at[seq_ids, positions].set(x)
+
+
+def padded_qkv_sets(qkv_sets: Sequence[tuple], lengths: Sequence[int], heads: Heads,
+                    seed: int) -> list[tuple]:  # fmt: skip
+    """Packed input sets (q, k, v) `[T, H, D]` as the same sequences padded to the
+    longest, `[B, max(lengths), H, D]`: the rows past a sequence's length are random
+    (never zeros), which the lengths must mask."""
+    noise = _qkv_sets((len(lengths), int(max(lengths))), heads, seed)
+    return [
+        tuple(pad_packed(x, lengths, n) for x, n in zip(qkv, fill, strict=True))
+        for qkv, fill in zip(qkv_sets, noise * len(qkv_sets), strict=False)
+    ]
 
 
 def parse_config(spec: str):
@@ -233,6 +270,17 @@ SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)
 TRITON_SWEEP = dataclasses.replace(
     SWEEP, default=tuple(s for s in DEFAULT_SWEEP if not s.startswith("mosaic:"))
 )
+
+
+def triton_config(seq_len: int, heads: Heads, **features):
+    """The Triton forward forced, tiled by its heuristic for causal sequences of up to
+    `seq_len` tokens; `features` (lengths, packed): as `FlashPrefillConfig.heuristic`'s."""
+    from jaxattn import FlashPrefillConfig
+
+    config = FlashPrefillConfig.heuristic(
+        seq_len, seq_len, heads.head_dim, heads.dtype, True, **features
+    )
+    return dataclasses.replace(config, backend="triton")
 
 
 def _bench_ours(settings: Settings, *, set_name: str, shape: str, ref, flops: float,
@@ -387,24 +435,17 @@ def packed_set(settings: Settings) -> SetResult:
     Triton kernel forced in the `ours` rows, so their ratios measure packing, not a change
     of kernel; then `ours auto` rows for the packed, dense and padded shapes (what the
     heuristic picks: the Hopper kernel on sm90, packed and lengths included)."""
-    from pallas_kernels.flash_prefill.config import FlashPrefillConfig
-
     heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
-
-    def triton(seq_len: int, **features):
-        config = FlashPrefillConfig.heuristic(
-            seq_len, seq_len, heads.head_dim, heads.dtype, True, **features
-        )
-        return dataclasses.replace(config, backend="triton")
-
+    triton = functools.partial(triton_config, heads=heads)
     packed = SMOKE_PACKED if settings.smoke else PACKED
     dense = packed.dense_equivalent
     lengths = packed.lengths()
-    cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)  # [B+1]
+    cu = cu_seqlens(lengths)  # [B+1]
 
     real_flops = attention_flops(lengths, heads, causal=True)  # the packed and padded rows'
     dense_flops = attention_flops([dense.seq_len] * dense.batch, heads, causal=True)
     qkv_sets = _qkv_sets((packed.total,), heads, seed=1000)
+    packed_sets = [(q, k, v, cu, cu) for q, k, v in qkv_sets]
     packed_ref = _packed_reference(*qkv_sets[0], lengths, causal=True)
     max_len = int(lengths.max())
     packed_rows = _bench_ours(
@@ -413,7 +454,7 @@ def packed_set(settings: Settings) -> SetResult:
         shape=packed.label,
         make_fn=_ours_packed(causal=True),
         config=triton(max_len, lengths=True, packed=True),
-        arg_sets=[(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets],
+        arg_sets=packed_sets,
         ref=packed_ref,
         flops=real_flops,
         notes="lengths " + ",".join(str(n) for n in lengths),
@@ -436,20 +477,8 @@ def packed_set(settings: Settings) -> SetResult:
 
     # The alternative packing replaces: the same sequences padded to the longest, with
     # lengths (rows past a sequence's length are zeros, as in the reference).
-    seq_ids = np.repeat(np.arange(len(lengths)), lengths)
-    positions = np.concatenate([np.arange(n) for n in lengths])
-
-    def pad(x, base):  # [T, H, D] -> [B, max_len, H, D]
-        return base.at[seq_ids, positions].set(x)
-
-    noise = _qkv_sets((len(lengths), max_len), heads, seed=3000)
-    padded_sets = [
-        tuple(pad(x, n) for x, n in zip(qkv, fill, strict=True))
-        for qkv, fill in zip(qkv_sets, noise * len(qkv_sets), strict=False)
-    ]
-    padded_ref = None
-    if packed_ref is not None:
-        padded_ref = pad(packed_ref, jnp.zeros((len(lengths), max_len, *packed_ref.shape[1:])))
+    padded_sets = padded_qkv_sets(qkv_sets, lengths, heads, seed=3000)
+    padded_ref = None if packed_ref is None else pad_packed(packed_ref, lengths)
     lengths_arg = jnp.asarray(lengths, jnp.int32)
 
     def padded_fn(config):
@@ -459,7 +488,7 @@ def packed_set(settings: Settings) -> SetResult:
             )
         )
 
-    padded_shape = f"padded B{len(lengths)} S{max_len} causal, lengths"
+    padded_shape = packed.padded_label
     padded_rows = _bench_ours(
         settings,
         set_name="prefill_packed",
@@ -492,7 +521,6 @@ def packed_set(settings: Settings) -> SetResult:
                           fn=fn, arg_sets=arg_sets, ref=ref, tol=TOLERANCES[heads.dtype],
                           work=flops, notes=notes)  # fmt: skip
 
-    packed_sets = [(q, k, v, cu_seqlens, cu_seqlens) for q, k, v in qkv_sets]
     auto_rows = [
         auto_row(
             packed.label, _ours_packed(causal=True)(None), packed_sets, packed_ref, real_flops

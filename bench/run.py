@@ -14,13 +14,25 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from bench import decode, decode_quant, model, ppl, prefill, report, scale, serving, train
+from bench import (
+    decode,
+    decode_quant,
+    model,
+    ppl,
+    prefill,
+    report,
+    scale,
+    serving,
+    train,
+    train_packed,
+)
 from bench.common import SetResult, Settings, describe_error, measure_ceilings
 
 # A set takes the settings and returns its rows; new sets (decode, ...) register here.
 SETS: dict[str, Callable[[Settings], SetResult]] = {
     "prefill": prefill.prefill_set,
     "prefill_packed": prefill.packed_set,
+    "train_packed": train_packed.train_packed_set,
     "decode": decode.decode_set,
     "decode_quant": decode_quant.decode_quant_set,
     "serving_mixed": serving.mixed_set,

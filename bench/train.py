@@ -1,5 +1,7 @@
 """Training: attention's forward + backward against its peers, and a training step (set `train`).
 
+(The same gradient on packed sequences: set `train_packed`, bench/train_packed.py.)
+
 Attention rows (bf16, GQA with 32 query / 8 kv heads, head dim 128): the jitted gradient
 of `sum(out * g)` w.r.t. q, k and v (the forward and the backward, as a training step runs
 them; g a random cotangent) at B1 S4096 causal, B1 S4096 full, B1 S16384 causal, B8 S2048
@@ -48,7 +50,7 @@ import math
 import pathlib
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -123,11 +125,14 @@ STEPS, SMOKE_STEPS = 3, 2
 
 
 # ------------------------------------------------------------------ attention rows
-def _grad_sets(shape: Dense, heads: Heads, seed: int) -> list[tuple]:
-    """Input sets (q, k, v, g) to rotate: q and g `[B, S, Hq, D]`, k and v
-    `[B, S, Hkv, D]`, standard normal in `heads.dtype`."""
-    q_shape = (shape.batch, shape.seq_len, heads.num_q_heads, heads.head_dim)
-    kv_shape = (shape.batch, shape.seq_len, heads.num_kv_heads, heads.head_dim)
+def grad_sets(tokens: tuple[int, ...], heads: Heads, seed: int) -> list[tuple]:
+    """Input sets (q, k, v, g) to rotate; `tokens` is (B, S) for dense, (T,) for packed.
+
+    q and g `[*tokens, Hq, D]`, k and v `[*tokens, Hkv, D]`, standard normal in
+    `heads.dtype`.
+    """
+    q_shape = (*tokens, heads.num_q_heads, heads.head_dim)
+    kv_shape = (*tokens, heads.num_kv_heads, heads.head_dim)
     shapes = (q_shape, kv_shape, kv_shape, q_shape)
     set_bytes = sum(math.prod(s) for s in shapes) * heads.dtype.itemsize
     sets = []
@@ -139,20 +144,22 @@ def _grad_sets(shape: Dense, heads: Heads, seed: int) -> list[tuple]:
     return sets
 
 
-def _grad_fn(attend: Callable) -> Callable:
-    """Jitted `(q, k, v, g) -> (dq, dk, dv)`: the gradient of `sum(attend(q, k, v) * g)`
-    (summed in float32), which runs the forward and the backward."""
+def grad_fn(attend: Callable) -> Callable:
+    """Jitted `(q, k, v, g, *args) -> (dq, dk, dv)`: the gradient of
+    `sum(attend(q, k, v, *args) * g)` (summed in float32), which runs the forward and the
+    backward; `args` (sequence lengths, cu_seqlens) are data, not differentiated."""
 
-    def grads(q, k, v, g):
+    def grads(q, k, v, g, *args):
         def loss(q, k, v):
-            return jnp.sum(attend(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
+            out = attend(q, k, v, *args)
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     return jax.jit(grads)
 
 
-def _reference_grads(q, k, v, g, causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def reference_grads(q, k, v, g, causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """float32 (dq `[B, S, Hq, D]`, dk, dv `[B, S, Hkv, D]`) of `sum(out * g)` through the
     spec, one sequence, kv head and block of query rows at a time.
 
@@ -253,17 +260,31 @@ def heuristic_backward(shape: Dense, heads: Heads):
     )
 
 
+def triton_configs(forward, seq_len: int, heads: Heads):
+    """(config, notes) of an `ours triton` row: `forward`, a FlashPrefillConfig forcing the
+    Triton kernel, with the Triton backward forced too, tiled by its heuristic for
+    sequences of up to `seq_len` tokens; the notes name both tilings."""
+    from jaxattn import FlashBackwardConfig
+
+    backward = FlashBackwardConfig.heuristic(seq_len, seq_len, heads.head_dim, heads.dtype)
+    config = dataclasses.replace(forward, backward=dataclasses.replace(backward, backend="triton"))
+    notes = join_notes(
+        f"fwd {config_label(config)}", f"config {backward_config_label(config.backward)}"
+    )
+    return config, notes
+
+
 SWEEP = Sweep(parse=parse_backward_config, label=backward_config_label, default=DEFAULT_SWEEP)
 
 
 def _ours(forward_config, causal: bool) -> Callable:
-    """backward config -> `_grad_fn` of `jaxattn.attention` on the pallas kernels (the
+    """backward config -> `grad_fn` of `jaxattn.attention` on the pallas kernels (the
     forward tiled by `forward_config`)."""
     import jaxattn
 
     def make(backward) -> Callable:
         config = dataclasses.replace(forward_config, backward=backward)
-        return _grad_fn(
+        return grad_fn(
             functools.partial(
                 jaxattn.attention, causal=causal, implementation="pallas", config=config
             )
@@ -273,7 +294,7 @@ def _ours(forward_config, causal: bool) -> Callable:
 
 
 def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable | None, str]]:
-    """(name, `_grad_fn` or None if not run, notes)."""
+    """(name, `grad_fn` or None if not run, notes)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     def nn_attention(implementation):
@@ -297,11 +318,11 @@ def _peers(shape: Dense, heads: Heads) -> list[tuple[str, Callable | None, str]]
     xla = (
         (None, f"not run: {logits_bytes / 2**30:.0f} GiB logits")
         if logits_bytes > XLA_LOGITS_LIMIT
-        else (_grad_fn(nn_attention("xla")), "")
+        else (grad_fn(nn_attention("xla")), "")
     )
     return [
-        ("cudnn", _grad_fn(nn_attention("cudnn")), ""),
-        ("triton mha", _grad_fn(mha_gqa), "k/v repeated"),
+        ("cudnn", grad_fn(nn_attention("cudnn")), ""),
+        ("triton mha", grad_fn(mha_gqa), "k/v repeated"),
         ("xla", *xla),
     ]
 
@@ -322,11 +343,34 @@ def _temp_memory(entry: Entry) -> str:
         return f"temp n/a ({describe_error(e)})"
 
 
-def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -> list[Row]:
-    from jaxattn import FlashBackwardConfig
+def with_temp(rows: Sequence[Row], entries: Sequence[Entry]) -> list[Row]:
+    """The rows `bench_row` made of `entries`, those that ran (ok or FAILED) with the
+    compiled gradient's temporary buffers first in their notes."""
+    return [
+        dataclasses.replace(row, notes=join_notes(_temp_memory(entry), row.notes))
+        if row.status in ("ok", "FAILED")
+        else row
+        for row, entry in zip(rows, entries, strict=True)
+    ]
 
-    arg_sets = _grad_sets(shape, heads, seed)
-    ref = _reference_grads(*arg_sets[0], shape.causal)
+
+def note_speeds(main: Row, peers: dict[str, Row]) -> Row:
+    """`main` with its speed against each timed peer (`{name: row}`) in its notes, as
+    "1.05x cudnn speed" (peer time / our time); printed."""
+    speeds = [
+        f"{peer.time_ms / main.time_ms:.2f}x {name} speed"
+        for name, peer in peers.items()
+        if main.time_ms and peer.time_ms
+    ]
+    if not speeds:
+        return main
+    print(f"  {main.shape} {main.impl}: {', '.join(speeds)}", flush=True)
+    return dataclasses.replace(main, notes=join_notes(main.notes, *speeds))
+
+
+def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -> list[Row]:
+    arg_sets = grad_sets((shape.batch, shape.seq_len), heads, seed)
+    ref = reference_grads(*arg_sets[0], shape.causal)
     flops = BACKWARD_FACTOR * attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
     forward = heuristic_config(shape.seq_len, heads, shape.causal)
     backward = heuristic_backward(shape, heads)
@@ -338,25 +382,11 @@ def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -
         arg_sets=arg_sets,
         notes=f"fwd {config_label(forward)}",
     )
-    triton = dataclasses.replace(forward, backend="triton")
-    triton_backward = dataclasses.replace(
-        FlashBackwardConfig.heuristic(shape.seq_len, shape.seq_len, heads.head_dim, heads.dtype),
-        backend="triton",
+    triton, triton_notes = triton_configs(
+        dataclasses.replace(forward, backend="triton"), shape.seq_len, heads
     )
-    peers, not_run = (
-        [
-            Entry(
-                "ours triton",
-                _ours(triton, shape.causal)(triton_backward),
-                arg_sets,
-                notes=join_notes(
-                    f"fwd {config_label(triton)}",
-                    f"config {backward_config_label(triton_backward)}",
-                ),
-            )
-        ],
-        {},
-    )
+    triton_fn = _ours(triton, shape.causal)(triton.backward)
+    peers, not_run = [Entry("ours triton", triton_fn, arg_sets, notes=triton_notes)], {}
     for name, fn, notes in _peers(shape, heads):
         if fn is None:
             not_run[name] = Row(SET_NAME, shape.label, name, "skipped", notes=notes)
@@ -375,23 +405,10 @@ def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -
     del ref
     for row in not_run.values():
         progress(row)
-    rows = mark_best(rows[: len(ours)]) + rows[len(ours) :]
-    rows = [
-        dataclasses.replace(row, notes=join_notes(_temp_memory(entry), row.notes))
-        if row.status in ("ok", "FAILED")
-        else row
-        for row, entry in zip(rows, entries, strict=True)
-    ]
+    rows = with_temp(mark_best(rows[: len(ours)]) + rows[len(ours) :], entries)
     by_impl = {row.impl: row for row in rows[len(ours) :]}
-    main = rows[0]
-    speeds = [
-        f"{by_impl[name].time_ms / main.time_ms:.2f}x {name} speed"
-        for name in ("cudnn", "triton mha")
-        if main.time_ms and name in by_impl and by_impl[name].time_ms
-    ]
-    if speeds:
-        print(f"  {shape.label} ours: {', '.join(speeds)}", flush=True)
-        rows[0] = dataclasses.replace(main, notes=join_notes(main.notes, *speeds))
+    peers = {name: by_impl[name] for name in ("cudnn", "triton mha") if name in by_impl}
+    rows[0] = note_speeds(rows[0], peers)
     return rows + list(not_run.values())
 
 
