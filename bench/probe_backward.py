@@ -7,7 +7,7 @@ that process's timeout, not the whole device call) and prints one line, also app
 
     PYTHONPATH=. python3 bench/probe_backward.py ours:2 cudnn:2 bwd-mosaic:64x2:2
 
-Specs, then ":" and a shape index into SHAPES (bf16, GQA 32/8, D128):
+Specs, then ":" and a shape index into SHAPES (bf16; GQA 32/8 at D128, 16/4 at D256):
 - `ours`: `jax.grad` of `sum(out * g)` through `jaxattn.attention` (the automatic kernels);
 - `ours-triton`: the same with the Triton forward and backward forced;
 - `ours-lengths`: `ours` with q_lengths = kv_lengths = S for every sequence (what lengths
@@ -26,16 +26,19 @@ import subprocess
 import sys
 import time
 
-SHAPES = [(1, 4096, True), (1, 4096, False), (1, 16384, True), (8, 2048, True)]
-HEADS = (32, 8, 128)  # Hq, Hkv, D
+D128, D256 = (32, 8, 128), (16, 4, 256)  # Hq, Hkv, D
+SHAPES = [  # (batch, seq_len, causal, heads)
+    (1, 4096, True, D128), (1, 4096, False, D128), (1, 16384, True, D128), (8, 2048, True, D128),
+    (1, 4096, True, D256), (1, 4096, False, D256), (4, 2048, True, D256),
+]  # fmt: skip
 TIMEOUT_S = 150
 
 
-def _inputs(batch, seq_len):
+def _inputs(batch, seq_len, heads):
     import jax
     import jax.numpy as jnp
 
-    hq, hkv, d = HEADS
+    hq, hkv, d = heads
     sets = []
     for seed in range(2):
         ks = jax.random.split(jax.random.key(seed), 4)
@@ -67,10 +70,10 @@ def time_variant(variant: str, shape_index: int) -> dict:
     from bench.common import time_op
     from pallas_kernels.mosaic import MosaicBackwardConfig, mosaic_backward, mosaic_forward
 
-    batch, seq_len, causal = SHAPES[shape_index]
-    hq, _, d = HEADS
+    batch, seq_len, causal, heads = SHAPES[shape_index]
+    hq, _, d = heads
     scale = d**-0.5
-    sets = _inputs(batch, seq_len)
+    sets = _inputs(batch, seq_len, heads)
     factor = 3.5
     if variant in ("ours", "ours-triton", "ours-lengths"):
         config, lengths = None, {}

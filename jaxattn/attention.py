@@ -560,7 +560,7 @@ def attention(
         none, no bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
         "triton", or "mosaic" (NotImplementedError, with the reason, where it cannot).
         `config.backward.backend` says the same of the gradient's kernels (the Hopper
-        ones: the forward's coverage at head_dim 64/128, Tq and Tk multiples of 128).
+        ones: the forward's coverage, Tq and Tk multiples of 128).
       out_dtype: None (q's dtype), or `jnp.float8_e4m3fn`: FP8 output, quantized in the
         kernel's epilogue from the float32 result as `clip(out * (1 / out_scale), -448,
         448)` rounded to nearest even (TensorRT-LLM's convention; dequantize with

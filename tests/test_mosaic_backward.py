@@ -67,7 +67,6 @@ def test_auto_takes_mosaic_on_hopper_only():
         (dict(packed=True), "packed"),
         (dict(terms=True), "ALiBi"),
         (dict(dtype=jnp.float32), "float32"),
-        (dict(q_shape=(2, 512, 8, 256), k_shape=(2, 512, 2, 256)), "head_dim 256"),
         (dict(q_shape=(2, 512, 8, 96), k_shape=(2, 512, 2, 96)), "head_dim 96"),
         (dict(q_shape=(2, 448, 8, 128)), "Tq=448"),
         (dict(k_shape=(2, 576, 2, 128)), "Tk=576"),
@@ -102,7 +101,10 @@ def test_config_validation():
         with pytest.raises(ValueError, match=next(iter(bad))):
             MosaicBackwardConfig(**bad)
     assert MosaicBackwardConfig(block_kv_dq=128, num_stages=2).fits(128)
-    assert not MosaicBackwardConfig(block_kv_dq=64, num_stages=2).fits(256)
+    assert MosaicBackwardConfig(block_kv_dq=64, num_stages=2).fits(256)  # one dQ slot
+    assert MosaicBackwardConfig(block_kv_dq=64, num_stages=2).dq_stages(256) == 1
+    assert not MosaicBackwardConfig(block_kv_dq=128, num_stages=2).fits(256)
+    assert MosaicBackwardConfig.heuristic(False, 256) == MosaicBackwardConfig(64, 2)
     assert (
         backward_unsupported(Q_SHAPE, K_SHAPE, jnp.float16, config=MosaicBackwardConfig()) is None
     )
@@ -315,6 +317,9 @@ CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
     (1, 256, 384, 4, 2, 64, True, 150, None),  # causal and window, Tq < Tk
     (1, 384, 256, 4, 2, 128, False, 100, None),  # window alone, Tq > Tk
     (1, 256, 256, 4, 4, 128, False, None, 2.0),  # a cap without a mask; tanh saturates
+    # D256: the dK/dV kernel's consumers split the columns, the dQ kernel has one slot.
+    (1, 256, 512, 4, 2, 256, True, None, None),
+    (1, 384, 256, 4, 1, 256, False, 100, 20.0),
 ]
 
 
@@ -416,15 +421,15 @@ def test_attention_gradient_takes_mosaic_and_matches_triton(monkeypatch):
 
 
 def test_cases_cover_each_option():
-    """The GPU cases meet causal, full, window, soft-cap, D64/D128, MQA/GQA/MHA, Tq > Tk."""
+    """The GPU cases meet causal, full, window, soft-cap, each head dim, MQA/GQA/MHA, Tq > Tk."""
     seen = set()
     for _, tq, tk, hq, hkv, d, causal, window, cap in CASES:
         seen |= {f"D{d}", "causal" if causal else "full", f"group{hq // hkv}"}
         seen |= {"window"} if window else set()
         seen |= {"cap"} if cap else set()
         seen |= {"tq>tk"} if tq > tk else set()
-    assert seen >= {"D64", "D128", "causal", "full", "window", "cap", "group1", "group4",
-                    "tq>tk"}  # fmt: skip
+    assert seen >= {"D64", "D128", "D256", "causal", "full", "window", "cap", "group1",
+                    "group4", "tq>tk"}  # fmt: skip
 
 
 def test_backward_config_resolves_unset_triton_fields():

@@ -251,9 +251,6 @@ def test_packed_forward_config_variants():
         _check(case, "bfloat16", out, lse, clean, cu)
 
 
-BACKWARD_CASES = [c for c in CASES if c[4] != 256]  # D256: the Triton backward
-
-
 def _grad_inputs(case, dtype):
     """(clean q, k, v, g_out, g_lse; poisoned copies; cu): NaN past the last sequence."""
     clean, bad, cu = _inputs(case, dtype)
@@ -267,9 +264,7 @@ def _grad_inputs(case, dtype):
 
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize(
-    "case", BACKWARD_CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{len(c[8])}"
-)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{len(c[8])}")
 def test_packed_backward_matches_oracle(case, dtype):
     """dq, dk, dv with an lse cotangent against the float64 per-sequence oracle; padding
     past the last sequence NaN (inputs, out, lse, cotangents) gets zero gradients, and no

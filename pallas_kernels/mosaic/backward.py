@@ -75,6 +75,16 @@ from pallas_kernels.mosaic.packed import (
 )
 
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
+# Head dims above this split the dK/dV kernel's columns: the two consumers hold the same 64
+# keys, each accumulating half of dK's and dV's columns (64 keys x 256 columns of dK and
+# of dV in float32 would need 256 registers a thread, more than a consumer's 232). Each
+# stores D256 operands as two 128-column halves; the GEMMs over D take both.
+_HALF = 128
+
+
+def key_tile_rows(head_dim: int) -> int:
+    """Keys per dK/dV block: 64 (both consumers, split columns) above `_HALF`, else 128."""
+    return _ROWS if head_dim > _HALF else CONSUMERS * _ROWS
 
 
 def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q,
@@ -168,21 +178,23 @@ def _walk(bounds, step_body, pass_over, carry):
     return carry
 
 
-def _tile(lengths_ref, packed: bool, q_rows: int, kv_rows: int, last_first=None) -> Tile:
+def _tile(lengths_ref, packed: bool, q_rows: int, kv_rows: int, last_first=None,
+          rows: int = CONSUMERS * _ROWS) -> Tile:  # fmt: skip
     """This block's tile: a packed batch's from its table (heaviest first), a dense one's
-    from the grid; `last_first`: the dense tile count, launched last tile first (the dQ
-    kernel's causal query tiles: the last see the most keys)."""
+    from the grid, `rows` rows a tile; `last_first`: the dense tile count, launched last
+    tile first (the dQ kernel's causal query tiles: the last see the most keys)."""
     t = lax.axis_index("tiles")
     if packed:
         return packed_tile(lengths_ref, t)
     t = t if last_first is None else last_first - 1 - t
-    return dense_tile(lengths_ref, lax.axis_index("batch"), t * CONSUMERS * _ROWS, q_rows, kv_rows)
+    return dense_tile(lengths_ref, lax.axis_index("batch"), t * rows, q_rows, kv_rows)
 
 
-def _store(tile: Tile, pairs, tail_refs, at, wg, head):
-    """Each (shared-memory tile, output ref) of `pairs` to its rows `at` (`(b, rows,
-    head)`), or, for a packed tile cut by its sequence's start or end, into the matching
-    tail ref's slot (`packed.py`); then waits for the copies."""
+def _store(tile: Tile, pairs, tail_refs, at, tail_at):
+    """Each (shared-memory tile, output ref) of `pairs` to `at` (`(b, rows, head[,
+    columns])`), or, for a packed tile cut by its sequence's start or end, into the
+    matching tail ref's slot at `tail_at` (`(rows, head[, columns])` in the slot:
+    `packed.py`); then waits for the copies."""
     plgpu = load_plgpu()
 
     def in_place():
@@ -191,7 +203,7 @@ def _store(tile: Tile, pairs, tail_refs, at, wg, head):
 
     def to_tail():
         for (smem, _), tail in zip(pairs, tail_refs, strict=True):
-            plgpu.copy_smem_to_gmem(smem, tail.at[tile.store, pl.ds(wg * _ROWS, _ROWS), head])
+            plgpu.copy_smem_to_gmem(smem, tail.at[(tile.store, *tail_at)])
 
     if tile.store is None:
         in_place()
@@ -291,7 +303,7 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
         dq = _walk(bounds, step_body, pass_over, dq)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
-        _store(tile, ((q_smem, dq_ref),), tail_ref, rows, wg, h)
+        _store(tile, ((q_smem, dq_ref),), tail_ref, rows, (pl.ds(wg * _ROWS, _ROWS), h))
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -316,23 +328,28 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
     inputs, lengths_ref, (dk_ref, dv_ref, *tail_refs, smem, barriers) = split_refs(
         refs, 6, has_lengths or packed
     )
+    # Split columns (D > _HALF): K, V [2, 64, 128] (the halves), Q, dO [stages, 2, bq, 128].
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     plgpu = load_plgpu()
     k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
-    in_barriers, q_loaded, q_consumed = barriers
+    in_barriers, q_loaded, q_consumed, *done = barriers
     _, q_rows, _, head_dim = q_ref.shape
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
     num_blocks = pl.cdiv(q_rows, block_q)
     kvh, wg = lax.axis_index("heads"), lax.axis_index("wg")
-    tile = _tile(lengths_ref, packed, q_rows, kv_rows)
+    split = head_dim > _HALF
+    tile = _tile(lengths_ref, packed, q_rows, kv_rows, rows=key_tile_rows(head_dim))
     b, seq = tile.batch, tile.seq
     q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
     # Packed: the query blocks hold the neighbours' rows, whose lse is finite: masked.
     pos_range = None if seq.q_first is None else (seq.q_first + offset, q_len + offset)
 
+    def first_key_of(consumer):  # split columns: both consumers hold the tile's 64 keys
+        return tile.row if split else tile.row + consumer * _ROWS
+
     def blocks_of(consumer):
-        first = tile.row + consumer * _ROWS
+        first = first_key_of(consumer)
         return query_block_range(first, first + _ROWS - 1, causal=causal, window=window,
                                  offset=offset, num_blocks=num_blocks, block_q=block_q,
                                  q_len=q_len, kv_len=kv_limit, q_first=seq.q_first,
@@ -344,15 +361,36 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        first_key = tile.row + wg * _ROWS  # in the sequence
+        first_key = first_key_of(wg)  # in the sequence
         my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         keys = (b, pl.ds(tile.k_base + first_key, _ROWS), kvh)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, in_barriers.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, in_barriers.at[wg])
-        plgpu.barrier_wait(in_barriers.at[wg])
+        if split:  # each loads its half of K and V; both wait for all four copies
+            out_cols = (pl.ds(wg * _HALF, _HALF),)
+            loaded = in_barriers.at[0]
+        else:
+            out_cols = ()
+            loaded = in_barriers.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[(*keys, *out_cols)], k_smem2.at[wg], loaded)
+        plgpu.copy_gmem_to_smem(v_ref.at[(*keys, *out_cols)], v_smem2.at[wg], loaded)
+        plgpu.barrier_wait(loaded)
         layout = plgpu.Layout.WGMMA
-        zeros = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), layout)
+        out_dim = _HALF if split else head_dim  # the columns of dK, dV this consumer sums
+        zeros = plgpu.layout_cast(jnp.zeros((_ROWS, out_dim), jnp.float32), layout)
+
+        # Views of a ring slot, taken inside the GEMMs' bodies (run_state takes a view's
+        # static indices as its own inputs, which Mosaic GPU cannot lower).
+        def parts(ref, slot):  # a ring slot's Q or dO: its halves (split) or itself
+            return (ref.at[slot, 0], ref.at[slot, 1]) if split else (ref.at[slot],)
+
+        def held(ref):  # the block's K or V: both halves (split), or this consumer's keys
+            return (ref.at[0], ref.at[1]) if split else (ref.at[wg],)
+
+        def own(ref, slot):  # the part whose columns this consumer's dK, dV take
+            return ref.at[slot, wg] if split else ref.at[slot]
+
+        def over_d(acc_ref, lhs, rhs):  # acc += lhs @ rhs^T, summed over D's parts
+            for a, b_part in zip(lhs, rhs, strict=True):
+                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b_part, (1, 0)))
 
         def head_loop(g, carry):
             base = g * span - lo  # ring step of block j of this head: base + j
@@ -371,7 +409,7 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
                 delta = plgpu.load(row_smem.at[slot, 1], (), layout=col_layout)
 
                 def st_gemm(acc_ref):
-                    plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    over_d(acc_ref, held(k_smem2), parts(q_smem, slot))
                     return acc_ref[...]
 
                 qk = pl.run_scoped(st_gemm, plgpu.ACC((_ROWS, block_q), jnp.float32))
@@ -384,15 +422,15 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
 
                 def dv_dp_gemms(refs):
                     dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dv_ref, p.astype(dtype), own(do_smem, slot))
+                    over_d(dp_ref, held(v_smem2), parts(do_smem, slot))
 
                 st_zeros = plgpu.layout_cast(jnp.zeros((_ROWS, block_q), jnp.float32), layout)
                 dv, dp = pl.run_state(dv_dp_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(st_zeros)))
                 ds16 = _dscores(p, dp, delta, cap_grad, row_axis=1, dtype=dtype)
 
                 def dk_gemm(acc_ref):
-                    plgpu.wgmma(acc_ref, ds16, q_smem.at[slot])
+                    plgpu.wgmma(acc_ref, ds16, own(q_smem, slot))
 
                 dk = pl.run_state(dk_gemm)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(q_consumed.at[slot])
@@ -402,10 +440,15 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
             return _walk(bounds, step_body, pass_over, carry)
 
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-        k_smem[...] = (dk * scale).astype(dtype)
-        v_smem[...] = dv.astype(dtype)
+        if split:  # the other consumer reads both halves of K and V until its last step
+            plgpu.barrier_arrive(done[0])
+            plgpu.barrier_wait(done[0])
+        k_out, v_out = k_smem2.at[wg], v_smem2.at[wg]
+        k_out[...] = (dk * scale).astype(dtype)
+        v_out[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        _store(tile, ((k_smem, dk_ref), (v_smem, dv_ref)), tail_refs, keys, wg, kvh)
+        tail_at = (pl.ds(first_key - tile.row, _ROWS), kvh, *out_cols)
+        _store(tile, ((k_out, dk_ref), (v_out, dv_ref)), tail_refs, (*keys, *out_cols), tail_at)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -419,8 +462,14 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
             if wait:
                 plgpu.barrier_wait(q_consumed.at[slot])
             rows = (b, pl.ds(tile.q_base + j * block_q, block_q), h)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], q_loaded.at[slot])
+            for src, dst in ((q_ref, q_smem), (do_ref, do_smem)):
+                if split:  # the two column halves
+                    for half in range(2):
+                        cols = pl.ds(half * _HALF, _HALF)
+                        plgpu.copy_gmem_to_smem(src.at[(*rows, cols)], dst.at[slot, half],
+                                                q_loaded.at[slot])  # fmt: skip
+                else:
+                    plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], q_loaded.at[slot])
             cols = (b, h, pl.ds(tile.q_base + j * block_q, block_q))
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], row_smem.at[slot, 0], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], row_smem.at[slot, 1], q_loaded.at[slot])
@@ -439,8 +488,8 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
     forward kernel's: both return the natural lse).
 
     Args:
-      q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype; D 64
-        or 128; Tq, Tk multiples of 128 (the dispatchers check all of this with
+      q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype; D 64,
+        128 or 256; Tq, Tk multiples of 128 (the dispatchers check all of this with
         `pallas_kernels.mosaic.support.backward_unsupported` first; this checks Tq and Tk).
       out: the forward's output, like q; lse: its float32 `[B, Hq, Tq]` (not finite: the
         row sees no key); g_out: out's cotangent, q's shape (cast to q's dtype); g_lse:
@@ -455,7 +504,7 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
     Returns:
       (dq, dk, dv) in the inputs' shapes and dtype.
     """
-    config = config or MosaicBackwardConfig.heuristic(causal or window is not None)
+    config = config or MosaicBackwardConfig.heuristic(causal or window is not None, q.shape[-1])
     batch, q_rows, _, _ = q.shape
     kv_rows = k.shape[1]
     rows = config.rows
@@ -469,7 +518,7 @@ def mosaic_backward(q, k, v, out, lse, g_out, g_lse=None, q_lengths=None, kv_len
         k, v = (zero_padding(x, lengths[1]) for x in (k, v))
         real_row = jnp.arange(q_rows)[None, None, :] < lengths[0][:, None, None]  # [B, 1, Tq]
     lse2, delta = _row_terms(out, g_out, lse, g_lse, real_row)
-    grids = ((q_rows // rows, batch), (kv_rows // rows, batch))
+    grids = ((q_rows // rows, batch), (kv_rows // key_tile_rows(q.shape[-1]), batch))
     options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     return _launch(q, k, v, g_out, lse2, delta, lengths, grids=grids, config=config, **options)
 
@@ -495,7 +544,7 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
       to 8 rows); tiles cut by a sequence's start or end go through tails
       (`packed.merge_tails`).
     """
-    config = config or MosaicBackwardConfig.heuristic(causal or window is not None)
+    config = config or MosaicBackwardConfig.heuristic(causal or window is not None, q.shape[-1])
     q_rows, kv_rows = q.shape[0], k.shape[0]
     batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
     used_q, used_k = batch.q_start[-1:], batch.k_start[-1:]  # rows past them: padding
@@ -505,8 +554,9 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
     g_lse = None if g_lse is None else g_lse[None]
     lse2, delta = _row_terms(out[None], g_out, lse[None], g_lse, real_row)
     order = dict(causal=causal, window=window)
-    tables = tuple(tile_table(batch, config.rows, n, axis=axis, **order)
-                   for n, axis in ((q_rows, "q"), (kv_rows, "kv")))  # fmt: skip
+    key_rows = key_tile_rows(q.shape[-1])  # the dK/dV kernel's tiles (64 keys above D128)
+    tiles = ((config.rows, q_rows, "q"), (key_rows, kv_rows, "kv"))
+    tables = tuple(tile_table(batch, rows, n, axis=axis, **order) for rows, n, axis in tiles)
     grids = tuple((table.shape[0], 1) for table in tables)
     options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     (dq, dq_tail), (dk, dv, dk_tail, dv_tail) = _launch(
@@ -514,7 +564,7 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
         num_tails=2 * batch.q_len.shape[0], **options,
     )  # fmt: skip
     q_where = tail_rows(batch.q_start, batch.q_rows, config.rows, q_rows)
-    k_where = tail_rows(batch.k_start, batch.k_rows, config.rows, kv_rows)
+    k_where = tail_rows(batch.k_start, batch.k_rows, key_rows, kv_rows)
     dq = merge_tails(dq[0], dq_tail, q_where)
     return dq, merge_tails(dk[0], dk_tail, k_where), merge_tails(dv[0], dv_tail, k_where)
 
@@ -553,34 +603,34 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
     common = dict(num_threads=CONSUMERS + 1, thread_name="wg",
                   compiler_params=plgpu.CompilerParams(approx_math=True))  # fmt: skip
 
-    def out_types(like, count):
+    def out_types(like, count, rows):  # rows: of a tile (of a tail slot)
         types = [jax.ShapeDtypeStruct(like.shape, dtype)] * count
         if packed:
-            tail = (num_tails, config.rows, like.shape[2], head_dim)
+            tail = (num_tails, rows, like.shape[2], head_dim)
             types += [jax.ShapeDtypeStruct(tail, dtype)] * count
         return tuple(types)
 
     def aux(x):  # no lengths: no extra input
         return () if x is None else (x,)
 
-    bk = config.block_kv_dq
+    bk, dq_stages = config.block_kv_dq, config.dq_stages(head_dim)
     dq = plgpu.kernel(
-        functools.partial(_dq_kernel, block_kv=bk, **opts),
-        out_type=out_types(q, 1),
+        functools.partial(_dq_kernel, block_kv=bk, **{**opts, "stages": dq_stages}),
+        out_type=out_types(q, 1, config.rows),
         scratch_types=(
             (
                 plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
                 plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
                 plgpu.SMEM((CONSUMERS, 2, _ROWS), jnp.float32),
-                plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((dq_stages, bk, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM((dq_stages, bk, head_dim), dtype, transforms=tiled),
             ),
             (
                 plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),
-                plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+                plgpu.Barrier(num_barriers=dq_stages),
+                plgpu.Barrier(num_barriers=dq_stages),
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=dq_stages),
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=dq_stages),
             ),
         ),
         grid=(num_q_heads, *grids[0]),
@@ -589,21 +639,27 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
     )(*inputs, *aux(dq_aux))
 
     bq = config.block_q_dkv
+    split = head_dim > _HALF  # two column halves: K, V [2, 64, 128]; Q, dO [stages, 2, bq, 128]
+    held, ring = ((2, _ROWS, _HALF), (stages, 2, bq, _HALF)) if split else (
+        (CONSUMERS, _ROWS, head_dim), (stages, bq, head_dim))  # fmt: skip
+    done = (plgpu.Barrier(num_arrivals=CONSUMERS),) if split else ()  # both consumers' last step
     dkdv = plgpu.kernel(
         functools.partial(_dkdv_kernel, block_q=bq, **opts),
-        out_type=out_types(k, 2),
+        out_type=out_types(k, 2, key_tile_rows(head_dim)),
         scratch_types=(
             (
-                plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((CONSUMERS, _ROWS, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),
-                plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),
+                plgpu.SMEM(held, dtype, transforms=tiled),
+                plgpu.SMEM(held, dtype, transforms=tiled),
+                plgpu.SMEM(ring, dtype, transforms=tiled),
+                plgpu.SMEM(ring, dtype, transforms=tiled),
                 plgpu.SMEM((stages, 2, bq), jnp.float32),
             ),
             (
-                plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
-                plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                # K and V loaded: a consumer's two copies, or (split) all four halves.
+                plgpu.Barrier(num_arrivals=4 if split else 2, num_barriers=CONSUMERS),
+                plgpu.Barrier(num_arrivals=6 if split else 4, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+                *done,
             ),
         ),
         grid=(num_kv_heads, *grids[1]),

@@ -59,11 +59,16 @@ class MosaicBackwardConfig:
     """Tiling of `mosaic_backward`: hashable, passed as a static argument.
 
     Both kernels hold 64 rows per consumer warpgroup (query rows in the dQ kernel, keys in
-    the dK/dV kernel; 128 per block) and stream the other side through a TMA ring.
+    the dK/dV kernel; 128 per block) and stream the other side through a TMA ring. Above
+    head dim 128 the dK/dV kernel's two consumers hold the same 64 keys, each summing half
+    of dK's and dV's columns (`backward.key_tile_rows`).
 
     Attributes:
-      block_kv_dq: keys per ring step of the dQ kernel: 64 or 128.
-      num_stages: ring slots of both kernels, 2 or 3.
+      block_kv_dq: keys per ring step of the dQ kernel: 64 or 128 (wgmma's K of dS K is
+        a multiple of 64).
+      num_stages: ring slots of both kernels, 2 or 3; above head dim 128 the dQ kernel's
+        ring has one (`dq_stages`: two 64-key K/V slots of D256 do not fit beside the
+        block's Q and dO).
     """
 
     block_kv_dq: int = 64
@@ -84,24 +89,31 @@ class MosaicBackwardConfig:
         """Query rows per dQ block, keys per dK/dV block (both consumer warpgroups)."""
         return CONSUMERS * 64
 
+    def dq_stages(self, head_dim: int) -> int:
+        """Ring slots of the dQ kernel: `num_stages`, one above head dim 128."""
+        return self.num_stages if head_dim <= 128 else 1
+
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of the larger kernel's block: the rows it holds (Q and dO, or K
-        and V), its ring, and the lse / delta rows."""
-        held = 2 * self.rows * head_dim * itemsize + 2 * self.rows * 4
-        dq_ring = 2 * self.num_stages * self.block_kv_dq * head_dim * itemsize
+        """Shared memory of the larger kernel's block: the rows it holds (Q and dO with
+        their lse / delta, or K and V) and its ring."""
+        dq_held = 2 * self.rows * head_dim * itemsize + 2 * self.rows * 4
+        dq_ring = 2 * self.dq_stages(head_dim) * self.block_kv_dq * head_dim * itemsize
+        keys = self.rows if head_dim <= 128 else self.rows // CONSUMERS  # split columns
+        dkdv_held = 2 * keys * head_dim * itemsize
         dkdv_ring = self.num_stages * self.block_q_dkv * (2 * head_dim * itemsize + 2 * 4)
-        return held + max(dq_ring, dkdv_ring)
+        return max(dq_held + dq_ring, dkdv_held + dkdv_ring)
 
     def fits(self, head_dim: int, itemsize: int = 2) -> bool:
         return self.smem_bytes(head_dim, itemsize) <= _SMEM_BYTES
 
     @classmethod
-    def heuristic(cls, masked: bool) -> MosaicBackwardConfig:
-        """Two stages; 128-key dQ steps without a causal mask or window, 64 with one.
+    def heuristic(cls, masked: bool, head_dim: int = 128) -> MosaicBackwardConfig:
+        """Two stages; 128-key dQ steps without a causal mask or window, 64 with one or
+        above head dim 128 (shared memory).
 
         Measured on an H100 (jax 0.11.2, bf16 GQA 32/8 D128, backward alone, 2026-11-25):
         64-key steps in 2 stages ran B1 S4096 causal / full, B1 S16384 causal, B8 S2048
         causal in 1.01 / 1.48 / 11.8 / 1.69 ms; 3 stages 1.03 / 1.57 / 12.3 / 1.81;
         128-key dQ steps 1.02 / 1.40 / 12.0 / 1.83.
         """
-        return cls(block_kv_dq=64 if masked else 128, num_stages=2)
+        return cls(block_kv_dq=64 if masked or head_dim > 128 else 128, num_stages=2)

@@ -17,8 +17,6 @@ from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConf
 from pallas_kernels.mosaic.packed import ROW_ALIGN
 
 HEAD_DIMS = (64, 128, 256)
-# D256 in the backward: a block's Q and dO (or K and V) and a ring overflow shared memory.
-BACKWARD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -58,7 +56,7 @@ def select_backward(config, q_shape, k_shape, dtype, *, masked, device=None, **f
     the forward's; `masked`: a causal mask or a window (for the tiling heuristic);
     features: as `backward_unsupported`'s."""
     tiling = None if config is None else config.mosaic
-    tiling = tiling or MosaicBackwardConfig.heuristic(masked)
+    tiling = tiling or MosaicBackwardConfig.heuristic(masked, q_shape[-1])
     return _select(
         config, tiling, device, backward_unsupported, q_shape, k_shape, dtype, **features
     )
@@ -123,8 +121,8 @@ def backward_unsupported(
     if why is not None:
         return why
     head_dim = q_shape[-1]
-    if head_dim not in BACKWARD_HEAD_DIMS:
-        return f"head_dim {head_dim} in the backward (one of {BACKWARD_HEAD_DIMS})"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (one of {HEAD_DIMS})"
     if packed:
         return _packed_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
