@@ -207,18 +207,15 @@ def _pallas_local(
         )  # fmt: skip
         return out, (lse if static.return_lse else None)
     params = _params(static)
-    if config is None:
-        max_q, max_kv = _max_lengths(static, q, k)
-        config = FlashPrefillConfig.heuristic(
-            max_q,
-            max_kv,
-            q.shape[-1],
-            q.dtype,
-            static.causal,
-            lengths=static.packed or any(x is not None for x in lengths),
-            packed=static.packed,
-            logit_tiles=any(x is not None for x in (bias, mask, rel_table)),
-        )
+    config = (config or FlashPrefillConfig()).resolve(
+        *_max_lengths(static, q, k),
+        q.shape[-1],
+        q.dtype,
+        static.causal,
+        lengths=static.packed or any(x is not None for x in lengths),
+        packed=static.packed,
+        logit_tiles=any(x is not None for x in (bias, mask, rel_table)),
+    )
     return flash_prefill(
         q,
         k,

@@ -423,7 +423,7 @@ def _pallas(
         k_start=cu[:-1],
         dense=False,
     )
-    prefill_config = config.prefill or FlashPrefillConfig.heuristic(
+    tiles = FlashPrefillConfig.heuristic(
         num_tokens,
         meta.max_pages * cache.page_size,
         head_dim,
@@ -434,17 +434,15 @@ def _pallas(
         logit_tiles=relative_bias is not None,
         paged=True,
     )
-    if read_rope is not None and config.prefill is None:
+    if read_rope is not None:
         # Rotating on read adds float32 cos/sin tiles [block_kv, D] per pipeline stage and
         # up to four rotated query tiles: the paged tiling (128 x 64, 3 stages) asks for
         # 304 KiB of shared memory (H100: 227 KiB), 128 x 32 in 2 stages still 336 KiB
         # with INT4 group scales. 64 x 32, loads not pipelined.
-        prefill_config = dataclasses.replace(
-            prefill_config,
-            block_q=min(prefill_config.block_q, 64),
-            block_kv=min(prefill_config.block_kv, 32),
-            num_stages=1,
+        tiles = dataclasses.replace(
+            tiles, block_q=min(tiles.block_q, 64), block_kv=min(tiles.block_kv, 32), num_stages=1
         )
+    prefill_config = (config.prefill or FlashPrefillConfig()).fill(tiles)
     rope = _rope_tables(read_rope, q, meta, cache, options, prefill_config.block_q)
     rel = relative_bias
     context = functools.partial(
@@ -607,7 +605,7 @@ def _gathered(context, q, k_new, v_new, batch, cache, meta, fmt, context_rows, n
         batch, q_len=only(batch.q_len, ~chosen), q_rows=only(batch.q_rows, ~chosen)
     )
     num_tokens, _, head_dim = q.shape
-    packed_config = config.prefill or FlashPrefillConfig.heuristic(
+    packed_config = (config.prefill or FlashPrefillConfig()).resolve(
         num_tokens, num_rows, head_dim, q.dtype, True, lengths=True
     )
     into = context(q, k_new, v_new, paged)

@@ -226,7 +226,7 @@ def _visible(pos, keys, *, causal, window, sink_tokens=0, kv_len=None, kv_first=
 
 
 @pytest.mark.parametrize("causal, window", [(True, 37), (False, 37), (True, 100), (True, 16)])
-@pytest.mark.parametrize("sink_tokens", [1, 5, 20, 40])
+@pytest.mark.parametrize("sink_tokens", [5, 40])  # within one block, over three
 @pytest.mark.parametrize("kv_len, kv_first", [(None, None), (150, None), (150, 5), (190, 7)])
 def test_key_ring_covers_sinks(causal, window, sink_tokens, kv_len, kv_first):
     """The forward's and the dQ kernel's walk with sinks (`key_ring`, `consumer_steps`):

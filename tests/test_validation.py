@@ -5,6 +5,7 @@ error is a trace-time one."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxattn
+from pallas_kernels.flash_prefill import Batch, LogitParams, flash_prefill
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -165,6 +167,23 @@ def test_flash_prefill_config_is_hashable_and_frozen():
     assert hash(a) == hash(jaxattn.FlashPrefillConfig(32, 16, 4, 2))
     with pytest.raises(AttributeError):
         a.block_q = 64  # type: ignore[misc]
+
+
+def test_flash_prefill_config_resolves_unset_tiles():
+    """A config built only to choose a backend takes the heuristic's tiles for the shape
+    (at D256 the old fixed defaults, 128 x 64 in 3 stages, overflowed an H100's shared
+    memory); fields set stay; the kernel refuses a config left unresolved."""
+    shape = (4096, 4096, 256, jnp.bfloat16, True)
+    want = jaxattn.FlashPrefillConfig.heuristic(*shape)
+    got = jaxattn.FlashPrefillConfig(backend="triton").resolve(*shape)
+    assert dataclasses.replace(got, backend="auto") == want
+    mine = jaxattn.FlashPrefillConfig(block_q=32).resolve(*shape)
+    assert (mine.block_q, mine.block_kv, mine.num_stages) == (32, want.block_kv, want.num_stages)
+    full = jaxattn.FlashPrefillConfig(32, 16, 4, 2)
+    assert full.resolve(*shape) is full
+    q = jnp.zeros((1, 16, 1, 16))
+    with pytest.raises(ValueError, match="resolve it first"):
+        flash_prefill(q, q, q, Batch(), params=LogitParams(), config=jaxattn.FlashPrefillConfig())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -224,7 +224,7 @@ def _attend(ring: _Ring, q, k, v, causal: bool):
     if tiling is not None:  # the Hopper kernel (sm90), as `jaxattn.attention` picks it
         out, lse = mosaic_forward(q, k, v, causal=causal, scale=ring.scale, config=tiling)
         return out.astype(jnp.float32), lse
-    config = ring.config or FlashPrefillConfig.heuristic(
+    config = (ring.config or FlashPrefillConfig()).resolve(
         q.shape[1], k.shape[1], q.shape[-1], q.dtype, causal
     )
     params = LogitParams(causal=causal, scale=ring.scale)

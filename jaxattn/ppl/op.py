@@ -256,7 +256,7 @@ def _pallas(query, seqstarts, kvstarts, lens, batch, table, decoding_batches, ca
         k_cols=kvstarts[:-1],
         dense=False,
     )
-    flash_config = prefill_config or FlashPrefillConfig.heuristic(
+    flash_config = (prefill_config or FlashPrefillConfig()).resolve(
         num_tokens, options.max_kvlen, head_dim, query.dtype, options.is_causal,
         lengths=True, packed=True, logit_tiles=attn_mask is not None, paged=True,
     )  # fmt: skip

@@ -15,11 +15,16 @@ def _is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+_TRITON_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashPrefillConfig:
     """Tiling of `flash_prefill`: hashable, passed as a static argument.
 
-    Attributes:
+    Attributes (the first four tile the Triton kernel; each left None is taken from
+    `heuristic` for the call's shape, so a config built only to choose `backend`,
+    `backward` or `mosaic` tiles like no config at all):
       block_q: query rows per program (a power of two, >= 16: Triton's dot minimum).
       block_kv: keys per inner-loop step (a power of two, >= 16).
       num_warps: warps per program.
@@ -34,10 +39,10 @@ class FlashPrefillConfig:
       mosaic: the Hopper kernel's tiling (`MosaicForwardConfig`); None picks its heuristic.
     """
 
-    block_q: int = 128
-    block_kv: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
+    block_q: int | None = None
+    block_kv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
     backward: FlashBackwardConfig | None = None
     backend: str = "auto"
     mosaic: MosaicForwardConfig | None = None
@@ -47,12 +52,25 @@ class FlashPrefillConfig:
             raise ValueError(f"FlashPrefillConfig: backend={self.backend!r} not in {BACKENDS}")
         for name in ("block_q", "block_kv"):
             size = getattr(self, name)
-            if not (_is_power_of_2(size) and size >= 16):
+            if size is not None and not (_is_power_of_2(size) and size >= 16):
                 raise ValueError(f"FlashPrefillConfig: {name}={size} must be a power of 2 >= 16")
-        if self.num_warps not in (1, 2, 4, 8, 16):
+        if self.num_warps not in (None, 1, 2, 4, 8, 16):
             raise ValueError(f"FlashPrefillConfig: num_warps={self.num_warps} not in 1..16 (pow2)")
-        if self.num_stages < 1:
+        if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"FlashPrefillConfig: num_stages={self.num_stages} must be >= 1")
+
+    def fill(self, tiles: FlashPrefillConfig) -> FlashPrefillConfig:
+        """This config with each Triton field left None taken from `tiles`."""
+        unset = [name for name in _TRITON_FIELDS if getattr(self, name) is None]
+        if not unset:
+            return self
+        return dataclasses.replace(self, **{name: getattr(tiles, name) for name in unset})
+
+    def resolve(self, *shape, **features) -> FlashPrefillConfig:
+        """`fill` from `heuristic(*shape, **features)` (the same arguments)."""
+        if all(getattr(self, name) is not None for name in _TRITON_FIELDS):
+            return self
+        return self.fill(FlashPrefillConfig.heuristic(*shape, **features))
 
     @classmethod
     def heuristic(

@@ -323,7 +323,8 @@ def flash_prefill(
       rope: packed batches only: None, or `RopeTables` (q_partner shaped like q): k, v and
         the cache hold un-rotated keys and q comes un-rotated; the kernel rotates them at
         their positions within the cache (StreamingLLM, `pallas_kernels.rope_read`).
-      params, config: static options and tiling.
+      params, config: static options and tiling (every Triton field set: a config with
+        fields left None is resolved first, `FlashPrefillConfig.resolve`).
       out_dtype: None (q's dtype) or float8_e4m3fn, which needs `out_scale` (float32 `[]`):
         stored `clip(out * (1 / out_scale), -448, 448)`, rounded to nearest even.
       into: packed batches with `return_lse`: None, or (out, lse) of an earlier call over
@@ -333,6 +334,8 @@ def flash_prefill(
     Returns:
       out shaped like q in `out_dtype`, and lse float32 `[B, Hq, Tq]` / `[Hq, Tq_all]` (or None).
     """
+    if None in (config.block_q, config.block_kv, config.num_warps, config.num_stages):
+        raise ValueError(f"flash_prefill: {config} has tile fields left None: resolve it first")
     num_q_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]
     block_q = config.block_q
