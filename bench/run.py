@@ -32,7 +32,6 @@ from bench.common import SetResult, Settings, describe_error, measure_ceilings
 SETS: dict[str, Callable[[Settings], SetResult]] = {
     "prefill": prefill.prefill_set,
     "prefill_packed": prefill.packed_set,
-    "train_packed": train_packed.train_packed_set,
     "decode": decode.decode_set,
     "decode_quant": decode_quant.decode_quant_set,
     "serving_mixed": serving.mixed_set,
@@ -41,6 +40,7 @@ SETS: dict[str, Callable[[Settings], SetResult]] = {
     "ppl_mixed": ppl.ppl_mixed_set,
     "model": model.model_set,
     "train": train.train_set,
+    "train_packed": train_packed.train_packed_set,
     "scale": scale.scale_set,
 }
 

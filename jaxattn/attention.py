@@ -8,13 +8,13 @@ the call, the Triton kernel otherwise (`FlashPrefillConfig.backend` forces one).
 Gradients come from a custom VJP. With `"pallas"` its forward saves q, k, v, the output
 and the float32 log-sum-exp (nothing of size Tq x Tk), whichever kernel ran, and its
 backward runs flash backward kernels (dK/dV and dQ, deterministic, GQA summed in-kernel):
-the Hopper ones (`pallas_kernels.mosaic.mosaic_backward`) where `select_backward` takes the
-call, the Triton ones (`pallas_kernels.flash_backward`) for every other option the forward
-takes (`FlashBackwardConfig.backend` forces one); the gradients of
-a bias, the ALiBi slopes and a T5 table are computed only when they are differentiated
-(symbolic zeros). With `"xla"` the backward differentiates the reference. An FP8 output
-(`out_dtype=float8_e4m3fn`) is an inference format: it has no gradient, and differentiating
-it raises.
+the Hopper ones (`pallas_kernels.mosaic.mosaic_backward`, `mosaic_backward_packed`) where
+`select_backward` takes the call, the Triton ones (`pallas_kernels.flash_backward`) for
+every other option the forward takes (`FlashBackwardConfig.backend` forces one); the
+gradients of a bias, the ALiBi slopes and a T5 table are computed only when they are
+differentiated (symbolic zeros). With `"xla"` the backward differentiates the reference.
+An FP8 output (`out_dtype=float8_e4m3fn`) is an inference format: it has no gradient, and
+differentiating it raises.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _ring_backward(static: _Static, config):
 
 def _hopper_options(static: _Static, extras) -> dict:
     """The call's options that decide whether a Hopper kernel covers it
-    (`pallas_kernels.mosaic.support`; both cover q/kv lengths)."""
+    (`pallas_kernels.mosaic.support`; both cover q/kv lengths, sinks and packed batches)."""
     return dict(packed=static.packed, terms=any(x is not None for x in extras))
 
 

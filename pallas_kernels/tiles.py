@@ -57,8 +57,9 @@ def packed_tile_table(batch, block: int, num_tiles: int, params, axis: str = "q"
         cost = q_len
         if params.causal:
             cost = q_len - jnp.clip(row - (kv_len - q_len), 0, q_len)
-        if params.window is not None:
-            cost = jnp.minimum(cost, params.window + block)
+        if params.window is not None:  # a tile holding sinks serves every later row
+            windowed = jnp.minimum(cost, params.window + block)
+            cost = jnp.where(row < params.sink_tokens, cost, windowed)
     cost = jnp.where(row < rows[seq], jnp.maximum(cost, 1), 0)
     columns = [batch.q_start, batch.q_rows, batch.q_len, batch.k_start, k_rows, batch.kv_len]
     k_cols = batch.k_start if batch.k_cols is None else batch.k_cols

@@ -196,6 +196,19 @@ def test_packed_kernels_lower_for_cuda(case):
         assert "mosaic_gpu" in text
 
 
+def test_key_tiles_holding_sinks_launch_first():
+    """With a window, a key tile holding its sequence's sinks serves every later query row:
+    the heaviest tile of the dK/dV kernel's table, launched first (a window alone costs
+    every full key tile the same)."""
+    cu = _cu((1024, 1024))
+    batch = packed_batch(cu, cu, 2048, 2048)
+    for sinks in (0, 4):
+        table = np.asarray(tile_table(batch, 128, 2048, causal=True, window=64,
+                                      sink_tokens=sinks, axis="kv"))  # fmt: skip
+        first_two = {int(r) for r in table[:2, _ROW]}
+        assert (first_two == {0}) == bool(sinks), (sinks, table[:4, _ROW])
+
+
 def test_support_takes_packed_batches_of_whole_row_tiles():
     config = MosaicForwardConfig()
     ok = forward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
@@ -216,6 +229,9 @@ def test_support_takes_packed_batches_of_whole_row_tiles():
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
     with pytest.raises(ValueError, match="multiples of 8"):  # called directly: a clear error
         jax.jit(mosaic_forward_packed).trace(q, k, k, cu, cu)
+    lse = jax.ShapeDtypeStruct((8, 1001), jnp.float32)
+    with pytest.raises(ValueError, match="mosaic_backward_packed.*multiples of 8"):
+        jax.jit(mosaic_backward_packed).trace(q, k, k, q, lse, q, lse, cu, cu)
 
 
 # ------------------------------------------------------------------ the kernel (sm90)

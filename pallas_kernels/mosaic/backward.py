@@ -26,7 +26,9 @@ key, so their P is 0) and delta = rowsum(dO * O) - d(lse) (the lse cotangent ent
 dS = P (dP - delta + g_lse)). With q/kv lengths the padding rows of q, dO, k and v come
 zeroed and padding rows get lse +inf and delta 0, so their P and dS are 0; the kernels
 read each sequence's lengths for its positions, mask keys past kv_len and skip the blocks
-past either length.
+past either length. Packed batches (`mosaic_backward_packed`) read tiles from tables
+(`packed.py`); the dK/dV kernel masks the neighbouring sequences' query rows its blocks
+hold by position (their lse is finite).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from pallas_kernels.mosaic.config import MosaicBackwardConfig
 from pallas_kernels.mosaic.forward import key_blocks
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
+    check_rows,
     merge_tails,
     packed_tile,
     tail_rows,
@@ -544,6 +547,7 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
       to 8 rows); tiles cut by a sequence's start or end go through tails
       (`packed.merge_tails`).
     """
+    check_rows("mosaic_backward_packed", q.shape, k.shape)
     config = config or MosaicBackwardConfig.heuristic(causal or window is not None, q.shape[-1])
     q_rows, kv_rows = q.shape[0], k.shape[0]
     batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
@@ -553,12 +557,12 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
     real_row = (jnp.arange(q_rows) < used_q)[None, None, :]  # [1, 1, Tq]
     g_lse = None if g_lse is None else g_lse[None]
     lse2, delta = _row_terms(out[None], g_out, lse[None], g_lse, real_row)
-    order = dict(causal=causal, window=window)
+    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
+    order = {name: options[name] for name in ("causal", "window", "sink_tokens")}
     key_rows = key_tile_rows(q.shape[-1])  # the dK/dV kernel's tiles (64 keys above D128)
     tiles = ((config.rows, q_rows, "q"), (key_rows, kv_rows, "kv"))
     tables = tuple(tile_table(batch, rows, n, axis=axis, **order) for rows, n, axis in tiles)
     grids = tuple((table.shape[0], 1) for table in tables)
-    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     (dq, dq_tail), (dk, dv, dk_tail, dv_tail) = _launch(
         q, k, v, g_out, lse2, delta, tables, grids=grids, config=config,
         num_tails=2 * batch.q_len.shape[0], **options,
@@ -588,7 +592,8 @@ def _row_terms(out, g_out, lse, g_lse, real_row):
 def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=None, **options):
     """Both kernels on `[B, T, H, D]` inputs: `lengths` the dense `[2, B]` lengths or None,
     or (`num_tails` given) the packed batch's query and key tile tables; `grids`: the dQ
-    and dK/dV kernels' (tiles, batch). Returns (dq, dk, dv), packed each with its tails."""
+    and dK/dV kernels' (tiles, batch). Returns (dq, dk, dv); packed, ((dq, dq_tail), (dk,
+    dv, dk_tail, dv_tail))."""
     plgpu = load_plgpu()
     _, _, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]

@@ -221,16 +221,17 @@ def sink_end(sink_tokens: int, kv_first=None):
 class KeyRing(NamedTuple):
     """The key blocks a query tile's producer loads, as ring steps `[first, hi)`: steps
     `[lo, hi)` load block `step` (the union of the consumers' window ranges), and with
-    attention sinks below `lo` steps `[first, lo)` load the sink blocks `0 .. lo - first`
-    first. Without sinks `first` is `lo` and a step is its block."""
+    attention sinks (`sinks`, static) below `lo` steps `[first, lo)` load the sink blocks
+    `[0, lo - first)` first. Without sinks `first` is `lo` and a step is its block."""
 
     first: object
     lo: object
     hi: object
+    sinks: bool = False
 
     def block(self, step):
         """The key block ring step `step` loads."""
-        if self.first is self.lo:
+        if not self.sinks:
             return step
         return jnp.where(step < self.lo, step - self.first, step)
 
@@ -245,8 +246,7 @@ def key_ring(blocks_of, *, window, sink_tokens: int, block_kv: int, kv_first=Non
         sink_blocks = -(-sink_tokens // block_kv)  # a Python int: no array constant
     else:
         sink_blocks = floor_div(kv_first + sink_tokens + block_kv - 1, block_kv)
-    sinks = imin(sink_blocks, lo)
-    return KeyRing(lo - sinks, lo, hi)
+    return KeyRing(lo - imin(sink_blocks, lo), lo, hi, sinks=True)
 
 
 def consumer_steps(ring: KeyRing, bounds):
@@ -255,7 +255,7 @@ def consumer_steps(ring: KeyRing, bounds):
     down to them when it sees any key (a row that sees a key sees the sinks; the blocks
     between them and its own range are masked: correct, only slower)."""
     my_lo, my_hi, full_lo, full_hi = within(bounds, ring.first, ring.hi)
-    if ring.first is not ring.lo:
+    if ring.sinks:
         my_lo = jnp.where(my_hi > my_lo, ring.first, my_lo)
     return my_lo, my_hi, full_lo, full_hi
 

@@ -68,7 +68,7 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
-    ROW_ALIGN,
+    check_rows,
     merge_tails,
     packed_tile,
     tail_rows,
@@ -426,16 +426,13 @@ def mosaic_forward_packed(
     q_rows, _, head_dim = q.shape
     kv_rows = k.shape[0]
     config = config or MosaicForwardConfig.heuristic(head_dim)
-    if not q_rows or not kv_rows or q_rows % ROW_ALIGN or kv_rows % ROW_ALIGN:
-        raise ValueError(
-            f"mosaic_forward_packed: {q.shape=}, {k.shape=}: Tq and Tk must be positive "
-            f"multiples of {ROW_ALIGN}"
-        )
+    check_rows("mosaic_forward_packed", q.shape, k.shape)
     batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
-    table = tile_table(batch, config.rows, q_rows, causal=causal, window=window)
+    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
+    order = {name: options[name] for name in ("causal", "window", "sink_tokens")}
+    table = tile_table(batch, config.rows, q_rows, **order)
     v = zero_padding(v[None], batch.k_start[-1:])
     num_slots = 2 * batch.q_len.shape[0]  # tail slots: two per sequence (`packed.py`)
-    options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
     out, lse, out_tail, lse_tail = _launch(
         q[None], k[None], v, table, grid=(table.shape[0], 1), config=config,
         num_tails=num_slots, **options,

@@ -4,13 +4,15 @@ where its rows go.
 A packed batch is laid out as `[T, H, D]` rows, sequence b owning rows `q_start[b] :
 q_start[b] + q_rows[b]` (`pallas_kernels.batch.packed_batch`, whose last pseudo-sequence
 owns the trailing padding). A block takes one row of the tile table (`tile_table`: the
-Triton kernels' `packed_tile_table`, heaviest tiles first, plus two columns) and loads
+Triton kernels' `packed_tile_table`, heaviest tiles first, plus three columns) and loads
 its rows by TMA, rows past the arrays reading as zeros.
 
 TMA moves the swizzled tiles the wgmma reads in whole 8-row units, so a tile must start
 at a multiple of 8 rows (jax 0.11's Mosaic GPU refuses offsets it cannot prove so): each
 sequence's rows and keys are taken from its start rounded down to 8, the up to 7 rows and
-keys before it (the sequence before's) being padding, masked as q/kv lengths' padding is.
+keys before it (the sequence before's) being padding: keys masked as q/kv lengths' padding
+is; query rows zeroed in the forward and the dQ kernel, and masked by position in the dK/dV
+kernel (`common.visible`'s `pos_range`), where their finite lse would otherwise count.
 
 Stores are the catch: a TMA store writes whole tiles, and a sequence's first tile (from
 an unaligned start) and last tile (cut by its end) run into rows another block writes.
@@ -69,7 +71,19 @@ def _cut(row, lead, grown, not_padding, block: int):
     return head, not_padding & (row + block > grown) & ~head
 
 
-def tile_table(batch, block: int, num_rows: int, *, causal, window, axis: str = "q"):
+def check_rows(caller: str, q_shape, k_shape) -> None:
+    """Raises a clear ValueError unless a packed batch's arrays hold positive whole
+    ROW_ALIGN-row tiles (Mosaic GPU's own error for them is obscure)."""
+    q_rows, kv_rows = q_shape[0], k_shape[0]
+    if not q_rows or not kv_rows or q_rows % ROW_ALIGN or kv_rows % ROW_ALIGN:
+        raise ValueError(
+            f"{caller}: q {tuple(q_shape)}, k {tuple(k_shape)}: Tq and Tk must be positive "
+            f"multiples of {ROW_ALIGN}"
+        )
+
+
+def tile_table(batch, block: int, num_rows: int, *, causal, window, sink_tokens: int = 0,
+               axis: str = "q"):  # fmt: skip
     """int32 `[tiles, _NUM_COLS + 3]`: `packed_tile_table`'s rows for `block`-row tiles
     of query rows (`axis="q"`) or keys (`"kv"`) over `num_rows` rows, each sequence's rows
     and keys taken from ROW_ALIGN-aligned starts (the rows and keys before its start are
@@ -80,7 +94,8 @@ def tile_table(batch, block: int, num_rows: int, *, causal, window, axis: str = 
     others, NOWHERE for spare tiles (whose lengths are zeroed: they compute nothing).
 
     batch: a packed `Batch` (`pallas_kernels.batch.packed_batch`, its last sequence the
-    padding); causal, window: the call's (the tiles' work, for the heaviest-first order).
+    padding); causal, window, sink_tokens: the call's (the tiles' work, for the
+    heaviest-first order).
     """
     k_rows = batch.kv_len if batch.k_rows is None else batch.k_rows
     q_base, lead_q, q_rows = _aligned(batch.q_start, batch.q_rows)
@@ -90,7 +105,8 @@ def tile_table(batch, block: int, num_rows: int, *, causal, window, axis: str = 
     num_seqs = batch.q_len.shape[0]
     # Each sequence may grow by ROW_ALIGN - 1 leading rows: a bound on the tiles of all.
     num_tiles, _ = packed_grid(num_rows + (ROW_ALIGN - 1) * num_seqs, num_seqs, block)
-    table = packed_tile_table(aligned, block, num_tiles, _Order(causal, window), axis)
+    order = _Order(causal, window, sink_tokens)
+    table = packed_tile_table(aligned, block, num_tiles, order, axis)
     seq, row = table[:, _SEQ], table[:, _ROW]
     real = jnp.arange(num_tiles, dtype=jnp.int32) < table[:, _NUM_REAL]
     lead, rows = (lead_q, _Q_ROWS) if axis == "q" else (lead_k, _K_ROWS)
