@@ -216,15 +216,7 @@ def test_attention_with_lengths_takes_the_hopper_kernels(monkeypatch):
     case = CASES[2]
     clean, bad, lengths = _inputs(case, "bfloat16")
     q, k, v, g_out, _ = bad
-    calls = []
-    for name in ("mosaic_forward", "mosaic_backward"):
-        real = getattr(attention_module, name)
-
-        def spy(*args, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(attention_module, name, spy)
+    calls = util.spy_calls(monkeypatch, attention_module, ("mosaic_forward", "mosaic_backward"))
     q_len, kv_len = lengths
     pad = (jnp.arange(q.shape[1])[None, :] >= q_len[:, None])[:, :, None, None]
 

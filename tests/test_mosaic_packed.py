@@ -311,15 +311,9 @@ def test_ragged_attention_takes_the_hopper_kernels(monkeypatch):
     gradient matches the XLA reference's."""
     case = CASES[2]
     clean, bad, cu = _inputs(case, "bfloat16")
-    calls = []
-    for name in ("mosaic_forward_packed", "mosaic_backward_packed"):
-        real = getattr(attention_module, name)
-
-        def spy(*args, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(attention_module, name, spy)
+    calls = util.spy_calls(
+        monkeypatch, attention_module, ("mosaic_forward_packed", "mosaic_backward_packed")
+    )
     g = util.randn(util.rng_for("packed cotangent"), clean[0].shape, "bfloat16")
 
     def loss(impl, q, k, v):

@@ -227,15 +227,7 @@ def test_attention_with_sinks_takes_the_hopper_kernels(monkeypatch):
     kernels; its gradient matches the XLA reference's."""
     case = DENSE[0]
     q, k, v, g, _ = _dense_inputs(case, "bfloat16")
-    calls = []
-    for name in ("mosaic_forward", "mosaic_backward"):
-        real = getattr(attention_module, name)
-
-        def spy(*args, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(attention_module, name, spy)
+    calls = util.spy_calls(monkeypatch, attention_module, ("mosaic_forward", "mosaic_backward"))
     opts = _dense_opts(case)
 
     def loss(impl, q, k, v):

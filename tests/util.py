@@ -140,6 +140,21 @@ def poison_value(dtype: str, kind: str) -> float:
     return float(jnp.finfo(jnp.dtype(dtype)).max) / 8
 
 
+def spy_calls(monkeypatch, module, names) -> list[str]:
+    """Wraps `module.<name>` for each of `names` to record its calls; returns the list the
+    names are appended to, in call order (the wrapped functions still run)."""
+    calls = []
+    for name in names:
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def jit_call(fn, *args, static: dict | None = None, **arrays):
     """`fn(*args, **static, **arrays)` under `jax.jit` with only `static` held static.
 
