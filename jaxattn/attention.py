@@ -537,8 +537,9 @@ def attention(
       k, v: `[B, Tk, Hkv, D]`, same dtype as q; `Hq % Hkv == 0` (MHA, GQA, MQA).
       causal: key j is visible to a query at position p only if `j <= p`. Queries are
         bottom-right aligned: query i of sequence b sits at `kv_len[b] - q_len[b] + i`.
-      q_lengths, kv_lengths: int `[B]`, valid tokens per sequence (default: all). Query rows
-        at or past `q_lengths[b]` are padding and output zeros.
+      q_lengths, kv_lengths: int `[B]`, valid tokens per sequence (default: all), at most
+        Tq and Tk (larger counts are not checked on device and read nothing past the
+        arrays). Query rows at or past `q_lengths[b]` are padding and output zeros.
       window: sliding window W: keys `j > p - W` (the last W, the query's own included).
       sink_tokens: keys `j < sink_tokens` stay visible whatever the window (StreamingLLM).
       alibi_slopes: float `[Hq]`; adds `-slope[h] * |p - j|` (see `jaxattn.alibi_slopes`).
