@@ -260,7 +260,7 @@ def heuristic_backward(shape: Dense, heads: Heads):
     )
 
 
-def triton_configs(forward, seq_len: int, heads: Heads):
+def with_triton_backward(forward, seq_len: int, heads: Heads):
     """(config, notes) of an `ours triton` row: `forward`, a FlashPrefillConfig forcing the
     Triton kernel, with the Triton backward forced too, tiled by its heuristic for
     sequences of up to `seq_len` tokens; the notes name both tilings."""
@@ -382,7 +382,7 @@ def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -
         arg_sets=arg_sets,
         notes=f"fwd {config_label(forward)}",
     )
-    triton, triton_notes = triton_configs(
+    triton, triton_notes = with_triton_backward(
         dataclasses.replace(forward, backend="triton"), shape.seq_len, heads
     )
     triton_fn = _ours(triton, shape.causal)(triton.backward)

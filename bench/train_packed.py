@@ -56,8 +56,8 @@ from bench.train import (
     grad_sets,
     note_speeds,
     reference_grads,
-    triton_configs,
     with_temp,
+    with_triton_backward,
 )
 
 SET_NAME = "train_packed"
@@ -82,8 +82,8 @@ def _auto_kernels(q_shape: tuple, k_shape: tuple, heads: Heads, **features) -> s
 
     forward = select_forward(None, q_shape, k_shape, heads.dtype, **features)
     backward = select_backward(None, q_shape, k_shape, heads.dtype, masked=True, **features)
-    name = lambda tiling: "triton" if tiling is None else "mosaic"  # noqa: E731
-    return f"config auto (heuristic): fwd {name(forward)}, bwd {name(backward)}"
+    fwd, bwd = ("triton" if tiling is None else "mosaic" for tiling in (forward, backward))
+    return f"config auto (heuristic): fwd {fwd}, bwd {bwd}"
 
 
 def _ragged(config) -> Callable:
@@ -135,7 +135,7 @@ def train_packed_set(settings: Settings) -> SetResult:
     cu = cu_seqlens(lengths)
     packed_sets = [(*qkvg, cu, cu) for qkvg in sets]
     ref = _packed_reference_grads(*sets[0], lengths)
-    triton, triton_notes = triton_configs(
+    triton, triton_notes = with_triton_backward(
         triton_config(max_len, heads, lengths=True, packed=True), max_len, heads
     )
     q_shape, k_shape = sets[0][0].shape, sets[0][1].shape
