@@ -102,6 +102,14 @@ class Problem:
     g_lse: jax.Array  # float32
 
 
+def assert_qkv_grads_close(grads, want, plain, dtype: str, what: str = ""):
+    """(dq, dk, dv) against the float64 oracle's `GradResult` `want`, each within the
+    dtype's tolerance widened by the plain low-precision oracle's (`plain`) own error."""
+    for name, got in zip("qkv", grads, strict=True):
+        ref_err = float(np.max(np.abs(plain.grads[name] - want.grads[name])))
+        assert_grad_close(got, want.grads[name], want.flows[name], dtype, name + what, ref_err)
+
+
 def make_problem(case, dtype: str, head_dim: int | None = None) -> Problem:
     packed = isinstance(case, Packed)
     inp = (build_packed if packed else build_dense)(case, dtype, head_dim)

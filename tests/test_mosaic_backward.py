@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import util
 from grad_oracle import attention_grad_oracle
-from test_grad_kernels import assert_grad_close
+from test_grad_kernels import assert_qkv_grads_close
 from test_mosaic import AMPERE, CPU, HOPPER, assert_range_matches, hopper_only
 
 import jaxattn
@@ -341,9 +341,7 @@ def _check(case, dtype, grads, inputs):
     want = attention_grad_oracle(*args, **opts)
     lowp = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
     plain = attention_grad_oracle(*args, lowp=lowp, **opts)
-    for name, got in zip("qkv", grads, strict=True):
-        ref_err = float(np.max(np.abs(plain.grads[name] - want.grads[name])))
-        assert_grad_close(got, want.grads[name], want.flows[name], dtype, name, ref_err)
+    assert_qkv_grads_close(grads, want, plain, dtype)
 
 
 @hopper_only

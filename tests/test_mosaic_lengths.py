@@ -25,7 +25,7 @@ import pytest
 import util
 from grad_oracle import attention_grad_oracle
 from oracle import attention_oracle
-from test_grad_kernels import assert_grad_close
+from test_grad_kernels import assert_qkv_grads_close
 from test_mosaic import hopper_only
 
 import jaxattn
@@ -183,10 +183,7 @@ def _check_grads(case, dtype, grads, clean, lengths):
     args = [None if x is None else util.f64(x) for x in clean]
     want = attention_grad_oracle(*args, **kw)
     plain = attention_grad_oracle(*args, lowp=LOWP[dtype], **kw)
-    for name, got in zip("qkv", grads, strict=True):
-        ref_err = float(np.max(np.abs(plain.grads[name] - want.grads[name])))
-        what = f"{name} (padding poisoned with NaN)"
-        assert_grad_close(got, want.grads[name], want.flows[name], dtype, what, ref_err)
+    assert_qkv_grads_close(grads, want, plain, dtype, " (padding poisoned with NaN)")
 
 
 @hopper_only

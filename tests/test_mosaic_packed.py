@@ -26,7 +26,7 @@ import pytest
 import util
 from grad_oracle import ragged_attention_grad_oracle
 from oracle import ragged_attention_oracle
-from test_grad_kernels import assert_grad_close
+from test_grad_kernels import assert_qkv_grads_close
 from test_mosaic import hopper_only
 
 import jaxattn
@@ -210,20 +210,12 @@ def test_key_tiles_holding_sinks_launch_first():
 
 
 def test_support_takes_packed_batches_of_whole_row_tiles():
-    config = MosaicForwardConfig()
-    ok = forward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
-                             packed=True)  # fmt: skip
-    assert ok is None
-    why = forward_unsupported((1001, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
-                              packed=True)  # fmt: skip
-    assert "multiples of 8" in why
-    config = MosaicBackwardConfig()
-    ok = backward_unsupported((1000, 8, 128), (904, 2, 128), jnp.bfloat16, config=config,
-                              packed=True)  # fmt: skip
-    assert ok is None
-    why = backward_unsupported((1000, 8, 128), (900, 2, 128), jnp.bfloat16, config=config,
-                               packed=True)  # fmt: skip
-    assert "multiples of 8" in why
+    for unsupported, config in ((forward_unsupported, MosaicForwardConfig()),
+                                (backward_unsupported, MosaicBackwardConfig())):  # fmt: skip
+        check = functools.partial(unsupported, dtype=jnp.bfloat16, config=config, packed=True)
+        assert check((1000, 8, 128), (904, 2, 128)) is None
+        assert "multiples of 8" in check((1001, 8, 128), (904, 2, 128))
+        assert "multiples of 8" in check((1000, 8, 128), (900, 2, 128))
     q = jax.ShapeDtypeStruct((1001, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((904, 2, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
@@ -297,9 +289,7 @@ def test_packed_backward_matches_oracle(case, dtype):
     want = ragged_attention_grad_oracle(*args[:3], *cu, *args[3:], **_opts(case))
     plain = ragged_attention_grad_oracle(*args[:3], *cu, *args[3:], lowp=LOWP[dtype],
                                          **_opts(case))  # fmt: skip
-    for name, got in zip("qkv", grads, strict=True):
-        ref_err = float(np.max(np.abs(plain.grads[name] - want.grads[name])))
-        assert_grad_close(got, want.grads[name], want.flows[name], dtype, name, ref_err)
+    assert_qkv_grads_close(grads, want, plain, dtype)
     again = fn(q, k, v, out, lse, g_out, g_lse, *cu)
     for name, g, h in zip("qkv", grads, again, strict=True):
         np.testing.assert_array_equal(util.bits(g), util.bits(h), err_msg=f"d{name}")

@@ -16,7 +16,7 @@ do not need (waiting and arriving, so barrier phases stay in step).
   every query block at or past them (`query_block_range`).
 
 The two kernels compute S and dP twice (7 GEMMs where a fused dQ needs 5). Tried on the
-H100 and slower (`bench/RESULTS.md`, probe of 2026-11-25 19:40 UTC; GQA 32/8 D128): a
+H100 and slower (`bench/HISTORY.md`, probe of 2026-11-25 19:40 UTC; GQA 32/8 D128): a
 dK/dV kernel reduce-adding each consumer's full dS K into a float32 dQ by TMA (1.7x), one
 where the two consumers swap dS^T through shared memory and each reduce-adds half of dQ's
 columns (1.3-1.5x), and this dK/dV kernel issuing S^T with dP^T and dV with dK (6-10%).
@@ -49,7 +49,6 @@ from pallas_kernels.mosaic.common import (
     Tile,
     clip,
     consumer_steps,
-    dense_tile,
     floor_div,
     imax,
     imin,
@@ -66,28 +65,23 @@ from pallas_kernels.mosaic.common import (
     within,
     zero_padding,
 )
-from pallas_kernels.mosaic.config import MosaicBackwardConfig
+from pallas_kernels.mosaic.config import SPLIT_HEAD_DIM, MosaicBackwardConfig, key_tile_rows
 from pallas_kernels.mosaic.forward import key_blocks
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
+    block_tile,
     check_rows,
     merge_tails,
-    packed_tile,
     tail_rows,
     tile_table,
 )
 
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
-# Head dims above this split the dK/dV kernel's columns: the two consumers hold the same 64
-# keys, each accumulating half of dK's and dV's columns (64 keys x 256 columns of dK and
-# of dV in float32 would need 256 registers a thread, more than a consumer's 232). Each
-# stores D256 operands as two 128-column halves; the GEMMs over D take both.
-_HALF = 128
-
-
-def key_tile_rows(head_dim: int) -> int:
-    """Keys per dK/dV block: 64 (both consumers, split columns) above `_HALF`, else 128."""
-    return _ROWS if head_dim > _HALF else CONSUMERS * _ROWS
+# Head dims above SPLIT_HEAD_DIM split the dK/dV kernel's columns: the two consumers hold
+# the same 64 keys, each accumulating half of dK's and dV's columns (64 keys x 256 columns
+# of dK and of dV in float32 would need 256 registers a thread, more than a consumer's
+# 232). Each stores D256 operands as two 128-column halves; the GEMMs over D take both.
+_HALF = SPLIT_HEAD_DIM
 
 
 def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q,
@@ -181,18 +175,6 @@ def _walk(bounds, step_body, pass_over, carry):
     return carry
 
 
-def _tile(lengths_ref, packed: bool, q_rows: int, kv_rows: int, last_first=None,
-          rows: int = CONSUMERS * _ROWS) -> Tile:  # fmt: skip
-    """This block's tile: a packed batch's from its table (heaviest first), a dense one's
-    from the grid, `rows` rows a tile; `last_first`: the dense tile count, launched last
-    tile first (the dQ kernel's causal query tiles: the last see the most keys)."""
-    t = lax.axis_index("tiles")
-    if packed:
-        return packed_tile(lengths_ref, t)
-    t = t if last_first is None else last_first - 1 - t
-    return dense_tile(lengths_ref, lax.axis_index("batch"), t * rows, q_rows, kv_rows)
-
-
 def _store(tile: Tile, pairs, tail_refs, at, tail_at):
     """Each (shared-memory tile, output ref) of `pairs` to `at` (`(b, rows, head[,
     columns])`), or, for a packed tile cut by its sequence's start or end, into the
@@ -221,7 +203,7 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
     # q, do [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse (base 2), delta [B, Hq, Tq] float32;
     # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D]. Packed (B = 1): the query
     # tiles' table instead of the lengths, and after dq its tails [2S, 128, Hq, D].
-    inputs, lengths_ref, (dq_ref, *tail_ref, smem, barriers) = split_refs(
+    inputs, lengths_ref, (dq_ref, *tail_refs, smem, barriers) = split_refs(
         refs, 6, has_lengths or packed
     )
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
@@ -234,7 +216,8 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
     num_blocks = pl.cdiv(kv_rows, block_kv)
     h, wg = lax.axis_index("heads"), lax.axis_index("wg")
     last_first = q_rows // (CONSUMERS * _ROWS) if causal else None  # most keys first
-    tile = _tile(lengths_ref, packed, q_rows, kv_rows, last_first)
+    tile = block_tile(lengths_ref, packed=packed, rows=CONSUMERS * _ROWS, q_rows=q_rows,
+                      kv_rows=kv_rows, last_first=last_first)  # fmt: skip
     b, seq = tile.batch, tile.seq
     q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
     kvh = h // group
@@ -306,7 +289,7 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
         dq = _walk(bounds, step_body, pass_over, dq)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
-        _store(tile, ((q_smem, dq_ref),), tail_ref, rows, (pl.ds(wg * _ROWS, _ROWS), h))
+        _store(tile, ((q_smem, dq_ref),), tail_refs, rows, (pl.ds(wg * _ROWS, _ROWS), h))
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -327,7 +310,7 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
 def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap, scale,
                  group, stages, block_q):  # fmt: skip
     # The dQ kernel's inputs (and lengths, or packed the key tiles' table); dk, dv
-    # [B, Tk, Hkv, D] (packed: then their tails [2S, 128, Hkv, D]).
+    # [B, Tk, Hkv, D] (packed: then their tails [2S, key_tile_rows(D), Hkv, D]).
     inputs, lengths_ref, (dk_ref, dv_ref, *tail_refs, smem, barriers) = split_refs(
         refs, 6, has_lengths or packed
     )
@@ -342,7 +325,8 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
     num_blocks = pl.cdiv(q_rows, block_q)
     kvh, wg = lax.axis_index("heads"), lax.axis_index("wg")
     split = head_dim > _HALF
-    tile = _tile(lengths_ref, packed, q_rows, kv_rows, rows=key_tile_rows(head_dim))
+    tile = block_tile(lengths_ref, packed=packed, rows=key_tile_rows(head_dim), q_rows=q_rows,
+                      kv_rows=kv_rows)  # fmt: skip
     b, seq = tile.batch, tile.seq
     q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
     # Packed: the query blocks hold the neighbours' rows, whose lse is finite: masked.

@@ -7,6 +7,15 @@ import dataclasses
 BACKENDS = ("auto", "triton", "mosaic")  # the values of the configs' `backend` fields
 _SMEM_BYTES = 227 * 1024  # shared memory a block may hold on sm90
 CONSUMERS = 2  # compute warpgroups per block (plus one producer)
+# The backward's head dims above this split the dK/dV block's columns between its two
+# consumers, which then hold the same 64 keys (`backward.py`).
+SPLIT_HEAD_DIM = 128
+
+
+def key_tile_rows(head_dim: int) -> int:
+    """Keys per dK/dV block: 64 (both consumers, split columns) above SPLIT_HEAD_DIM, else
+    128 (64 per consumer)."""
+    return 64 if head_dim > SPLIT_HEAD_DIM else CONSUMERS * 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +70,7 @@ class MosaicBackwardConfig:
     Both kernels hold 64 rows per consumer warpgroup (query rows in the dQ kernel, keys in
     the dK/dV kernel; 128 per block) and stream the other side through a TMA ring. Above
     head dim 128 the dK/dV kernel's two consumers hold the same 64 keys, each summing half
-    of dK's and dV's columns (`backward.key_tile_rows`).
+    of dK's and dV's columns (`key_tile_rows`).
 
     Attributes:
       block_kv_dq: keys per ring step of the dQ kernel: 64 or 128 (wgmma's K of dS K is
@@ -91,15 +100,14 @@ class MosaicBackwardConfig:
 
     def dq_stages(self, head_dim: int) -> int:
         """Ring slots of the dQ kernel: `num_stages`, one above head dim 128."""
-        return self.num_stages if head_dim <= 128 else 1
+        return self.num_stages if head_dim <= SPLIT_HEAD_DIM else 1
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Shared memory of the larger kernel's block: the rows it holds (Q and dO with
         their lse / delta, or K and V) and its ring."""
         dq_held = 2 * self.rows * head_dim * itemsize + 2 * self.rows * 4
         dq_ring = 2 * self.dq_stages(head_dim) * self.block_kv_dq * head_dim * itemsize
-        keys = self.rows if head_dim <= 128 else self.rows // CONSUMERS  # split columns
-        dkdv_held = 2 * keys * head_dim * itemsize
+        dkdv_held = 2 * key_tile_rows(head_dim) * head_dim * itemsize
         dkdv_ring = self.num_stages * self.block_q_dkv * (2 * head_dim * itemsize + 2 * 4)
         return max(dq_held + dq_ring, dkdv_held + dkdv_ring)
 

@@ -51,7 +51,6 @@ from pallas_kernels.mosaic.common import (
     PRODUCER_REGISTERS,
     clip,
     consumer_steps,
-    dense_tile,
     floor_div,
     imax,
     imin,
@@ -68,9 +67,9 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.config import MosaicForwardConfig
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
+    block_tile,
     check_rows,
     merge_tails,
-    packed_tile,
     tail_rows,
     tile_table,
 )
@@ -156,12 +155,8 @@ def _kernel(
     num_blocks = pl.cdiv(kv_rows, block_kv)
     ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
 
-    if packed:  # heaviest tiles first, by the table's order
-        tile = packed_tile(lengths_ref, lax.axis_index("q_tiles"))
-    else:  # heaviest tiles (the last rows of a causal mask) first
-        t = lax.axis_index("q_tiles")
-        t = num_tiles - 1 - t if causal else t
-        tile = dense_tile(lengths_ref, lax.axis_index("batch"), t * config.rows, q_rows, kv_rows)
+    tile = block_tile(lengths_ref, packed=packed, rows=config.rows, q_rows=q_rows,
+                      kv_rows=kv_rows, last_first=num_tiles if causal else None)  # fmt: skip
     b = tile.batch
     seq = tile.seq
     q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
@@ -490,7 +485,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         out_type=tuple(out_type),
         scratch_types=(smem, barriers),
         grid=(num_q_heads, *grid),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid_names=("heads", "tiles", "batch"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

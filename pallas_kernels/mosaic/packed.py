@@ -27,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.batch import Batch
-from pallas_kernels.mosaic.common import Sequence, Tile
+from pallas_kernels.mosaic.common import Sequence, Tile, dense_tile
 from pallas_kernels.tiles import (
     _K_ROWS,
     _K_START,
@@ -71,15 +72,21 @@ def _cut(row, lead, grown, not_padding, block: int):
     return head, not_padding & (row + block > grown) & ~head
 
 
-def check_rows(caller: str, q_shape, k_shape) -> None:
-    """Raises a clear ValueError unless a packed batch's arrays hold positive whole
-    ROW_ALIGN-row tiles (Mosaic GPU's own error for them is obscure)."""
+def rows_unsupported(q_shape, k_shape) -> str | None:
+    """None if a packed batch's arrays hold positive whole ROW_ALIGN-row tiles (TMA moves
+    rows in such tiles), else why not."""
     q_rows, kv_rows = q_shape[0], k_shape[0]
     if not q_rows or not kv_rows or q_rows % ROW_ALIGN or kv_rows % ROW_ALIGN:
-        raise ValueError(
-            f"{caller}: q {tuple(q_shape)}, k {tuple(k_shape)}: Tq and Tk must be positive "
-            f"multiples of {ROW_ALIGN}"
-        )
+        return f"packed Tq={q_rows}, Tk={kv_rows}: positive multiples of {ROW_ALIGN}"
+    return None
+
+
+def check_rows(caller: str, q_shape, k_shape) -> None:
+    """Raises a clear ValueError where `rows_unsupported` gives a reason (Mosaic GPU's own
+    error for such arrays is obscure)."""
+    why = rows_unsupported(q_shape, k_shape)
+    if why is not None:
+        raise ValueError(f"{caller}: q {tuple(q_shape)}, k {tuple(k_shape)}: {why}")
 
 
 def tile_table(batch, block: int, num_rows: int, *, causal, window, sink_tokens: int = 0,
@@ -122,7 +129,20 @@ def tile_table(batch, block: int, num_rows: int, *, causal, window, sink_tokens:
     return jnp.concatenate([table, extra], axis=1)
 
 
-def packed_tile(table_ref, t) -> Tile:
+def block_tile(lengths_ref, *, packed: bool, rows: int, q_rows: int, kv_rows: int,
+               last_first=None) -> Tile:  # fmt: skip
+    """This block's tile (grid axis "tiles"): a packed batch's from its table (`lengths_ref`,
+    heaviest first), a dense one's from the grid, `rows` rows a tile, the lengths (or
+    None) from `lengths_ref`; `last_first`: the dense tile count, launched last tile first
+    (causal query tiles: the last see the most keys)."""
+    t = lax.axis_index("tiles")
+    if packed:
+        return _packed_tile(lengths_ref, t)
+    t = t if last_first is None else last_first - 1 - t
+    return dense_tile(lengths_ref, lax.axis_index("batch"), t * rows, q_rows, kv_rows)
+
+
+def _packed_tile(table_ref, t) -> Tile:
     """Tile `t` of a packed batch, read from the kernel's copy of `tile_table` (GMEM):
     rows and keys from the sequence's aligned starts, the ones before its start padding."""
     q_len, kv_len = table_ref[t, _Q_LEN], table_ref[t, _KV_LEN]
@@ -183,7 +203,7 @@ __all__ = [
     "ROW_ALIGN",
     "STORE",
     "merge_tails",
-    "packed_tile",
+    "block_tile",
     "tail_rows",
     "tile_table",
 ]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import use_interpret
 from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
-from pallas_kernels.mosaic.packed import ROW_ALIGN
+from pallas_kernels.mosaic.packed import rows_unsupported
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -103,7 +103,7 @@ def forward_unsupported(
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
     if packed:
-        return _packed_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
+        return rows_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows:
         return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
@@ -124,18 +124,11 @@ def backward_unsupported(
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
     if packed:
-        return _packed_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
+        return rows_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
     q_rows, kv_rows = q_shape[1], k_shape[1]
     if q_rows % config.rows or kv_rows % config.rows:  # (and so of block_kv_dq)
         return f"Tq={q_rows}, Tk={kv_rows} in the backward: multiples of {config.rows}"
     return _smem_unsupported(config, head_dim, dtype)
-
-
-def _packed_unsupported(q_shape, k_shape) -> str | None:
-    """TMA reads rows in tiles of ROW_ALIGN: a packed batch's arrays must hold whole ones."""
-    if q_shape[0] % ROW_ALIGN or k_shape[0] % ROW_ALIGN:
-        return f"packed Tq={q_shape[0]}, Tk={k_shape[0]}: multiples of {ROW_ALIGN}"
-    return None
 
 
 def _smem_unsupported(config, head_dim: int, dtype) -> str | None:
