@@ -4,11 +4,13 @@ A step of the kernel reads the rows of `block_kv` cached tokens of one kv head, 
 their pages are, and hands the dot products values in the query's dtype. Quantized pools
 (formats: `jaxattn.quant`) are dequantized in registers; no dequantized copy of the cache
 ever exists in HBM. A scale that is constant along a row (per tensor, or per token and
-head: per-group scales with `group_size = head_dim`) is factored out of the tile: the
-stored integers (exact in bf16) go straight to the dot, and the scale multiplies the
-logits (K) or the probabilities (V) of that token, `[block]` values instead of
-`[block, D]`. Finer groups are applied per element: `(stored as float32) * scale`, rounded
-once to the query's dtype, as the reference does.
+head: per-group scales with `group_size = head_dim`), or along each part's row (INT4 in
+groups of D/2), is factored out of the tile: the stored integers (exact in bf16) go
+straight to the dot, and the scale multiplies the logits (K) or the probabilities (V) of
+that token, `[block]` values instead of `[block, D]` (per part: the part's dot). Finer
+groups are applied per element: `(stored as float32) * scale`, rounded once to the
+query's dtype, as the reference does. Scales are loaded apart from their tile
+(`load_scales`), so that a kernel can issue them a step ahead.
 
 INT4 rows hold channel j in the low nibble and channel j + D/2 in the high nibble of byte
 j, so a tile comes out as two halves ("parts"): channels `[0, D/2)` and `[D/2, D)`. The
@@ -131,6 +133,21 @@ class CacheFormat:
         """One scale per token row (per tensor, or groups spanning the whole row)."""
         return self.dtype is not None and (self.granularity == "tensor" or self.group_size == 0)
 
+    def part_scales(self, head_dim: int) -> bool:
+        """One scale along each part's row: groups of a whole part or more (INT4 in groups
+        of D/2; a group of D given as such)."""
+        part_dim = head_dim // self.parts
+        return (
+            self.dtype is not None
+            and self.granularity == "group"
+            and self.group_size > 0
+            and self.group_size % part_dim == 0
+        )
+
+    def factored(self, head_dim: int) -> bool:
+        """Scales constant along a part's row: factored out of the tiles (module doc)."""
+        return self.row_scales or self.part_scales(head_dim)
+
 
 PLAIN = CacheFormat()  # float pools, no scales
 
@@ -152,33 +169,73 @@ def _decode(raw, fmt: CacheFormat, dtype, asm: bool) -> list:
     return int4_nibbles(raw, dtype) if fmt.dtype == "int4" else [raw.astype(dtype)]
 
 
-def row_scale(scale_ref, fmt: CacheFormat, at, kv: int, t_ok):
-    """The per-row scales of `block` tokens, float32 `[block]` (`fmt.row_scales`)."""
-    if scale_ref.shape == (1,):  # per tensor
-        return jnp.full(t_ok.shape, scale_ref[0], jnp.float32)
+def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
+    """The stored scales a tile of `block` tokens needs, loaded apart from the tile (a
+    kernel issues them a step ahead of their use: loads that feed no dot are not
+    pipelined by Triton, and a scale load waited on in every step held the per-row and
+    per-group formats far below the per-tensor ones).
+
+    Returns None (plain pools; per tensor: `row_scale` reads the scalar); with scales
+    factored out of the tiles (`fmt.factored`) the `[block]` row scales as stored, or per
+    part its own (`fmt.part_scales`); with finer groups, per part, the row's groups
+    `[block, n]` (n = part width / group size) for `read_kv` to repeat over their
+    channels, or for parts of a width that is no power of two (head dims like 80) each
+    element's scale `[block, Pd]`.
+    Arguments as `read_kv`."""
+    if fmt.dtype is None or scale_ref.shape == (1,):
+        return None
     entries, kvh, offsets = at
-    index = fmt.layout.index(scale_ref, entries[:, 0], offsets[:, 0], kvh, kv)
-    return plgpu.load(scale_ref.at[(*index, jnp.int32(0))], mask=t_ok, other=1).astype(jnp.float32)
+    if fmt.factored(head_dim):
+        index = fmt.layout.index(scale_ref, entries[:, 0], offsets[:, 0], kvh, kv)
+        load = lambda g: plgpu.load(scale_ref.at[(*index, jnp.int32(g))], mask=t_ok, other=1)  # noqa: E731
+        if fmt.row_scales:
+            return load(0)
+        part_dim = head_dim // fmt.parts
+        return tuple(load(p * part_dim // fmt.group_size) for p in range(fmt.parts))
+    index = fmt.layout.index(scale_ref, entries, offsets, kvh, kv)
+    part_dim = head_dim // fmt.parts
+    return tuple(
+        _group_scales(scale_ref, index, fmt.group_size, p, part_dim, t_ok) for p in range(fmt.parts)
+    )
+
+
+def row_scale(scale_ref, scales, t_ok):
+    """The factored scales of `block` tokens (`fmt.factored`), float32 `[block]`, or a
+    tuple of them per part, from the per-tensor `scale_ref` or what `load_scales` gave
+    (`scales`)."""
+    if scales is None:  # per tensor
+        return jnp.full(t_ok.shape, scale_ref[0], jnp.float32)
+    if isinstance(scales, tuple):
+        return tuple(x.astype(jnp.float32) for x in scales)
+    return scales.astype(jnp.float32)
+
+
+def scaled_sum(dots, part_scales=None):
+    """The sum of the parts' logits `[rows, block]`, each times its `[block]` scales
+    (`part_scales`: None, or one per part)."""
+    if part_scales is None:
+        return sum(dots)
+    return sum(s * c[None, :] for s, c in zip(dots, part_scales, strict=True))
 
 
 def read_kv(
-    ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, asm: bool = False
+    ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scales=None, asm: bool = False
 ):
     """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
-    dequantized except for row scales (`fmt.row_scales`: the caller applies `row_scale`).
+    dequantized except for factored scales (`fmt.factored`: the caller applies `row_scale`).
     Codes become bfloat16 values without conversion instructions (`codes.py`; `asm`: on
     the GPU, not in interpret mode); finer groups multiply by their bfloat16 scale in
     bfloat16 (one rounding of the exact product, as the reference's).
 
     Args:
-      ref: the pool (`[N, Hkv, P, Dp]`, or as `fmt.layout` says); scale_ref: None, float32
-        `[1]` ("tensor") or the pool's scale pages (`[N, Hkv, P, G]`) ("group").
+      ref: the pool (`[N, Hkv, P, Dp]`, or as `fmt.layout` says).
       at: (block-table entries `[block, 1]`, kv head, offsets `[block, 1]` within the
         entries' pages): where the tokens are.
       kv: 0 reading K, 1 reading V (for layouts holding both in one array).
       t_ok: `[block]`, tokens to read (others read as zeros).
       head_dim: D; each part spans D / parts channels, padded to a power of two of at
         least 16 (Pd, `dot_width`: a dot's contraction needs 16).
+      scales: finer groups: what `load_scales` gave for these tokens.
     """
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
@@ -187,38 +244,46 @@ def read_kv(
     ok = t_ok[:, None] & (dims < part_dim)[None, :]
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     raw = plgpu.load(ref.at[(*index, dims[None, :])], mask=ok, other=other)
-    if fmt.dtype is None or fmt.row_scales:
+    if fmt.dtype is None or fmt.factored(head_dim):
         return tuple(_decode(raw, fmt, dtype, asm))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = []
-    for p, values in enumerate(_decode(raw, fmt, exact, asm)):
-        scale = _group_scale_tile(scale_ref, index, fmt.group_size, p, part_dim, t_ok, ok)
+    for values, scale in zip(_decode(raw, fmt, exact, asm), scales, strict=True):
+        scale = _spread(scale, fmt.group_size, part_dim)
         parts.append((values * scale.astype(exact)).astype(dtype))
     return tuple(parts)
 
 
-def _group_scale_tile(scale_ref, index, group_size: int, part: int, part_dim: int, t_ok, ok):
-    """The scale of each element of part `part` of a `[block, Pd]` tile (columns
-    `part * part_dim ...`), from per-group scale pages.
-
-    A row's groups are loaded once, `[block, n]` (n = part_dim / group_size scales,
-    contiguous: one vector load), and repeated over their channels in registers. Loading
-    the scale per element instead (an index per channel) issued a load instruction per
-    value, 16x those of the codes: INT4 with groups of 32 decoded slower than bf16. Parts
-    of a width that is no power of two (head dims like 80) keep the per-element load."""
-    padded = dot_width(part_dim)
-    dims = jnp.arange(padded)
-    if padded != part_dim or part_dim % group_size:
+def _group_scales(scale_ref, index, group_size: int, part: int, part_dim: int, t_ok):
+    """The scales of part `part` of a tile's rows (columns `part * part_dim ...`) from
+    per-group scale pages: `[block, n]`, a row's n = part_dim / group_size groups (one
+    vector load: contiguous), which `_spread` repeats over their channels in registers.
+    Loading the scale per element instead (an index per channel) issued a load
+    instruction per value, 16x those of the codes: INT4 with groups of 32 decoded slower
+    than bf16. Parts of a width that is no power of two keep that per-element load
+    (`[block, Pd]`)."""
+    if _per_element(group_size, part_dim):
+        dims = jnp.arange(dot_width(part_dim))
         group = (part * part_dim + dims[None, :]) // group_size
+        ok = t_ok[:, None] & (dims < part_dim)[None, :]
         return plgpu.load(scale_ref.at[(*index, group)], mask=ok, other=1)
     n = part_dim // group_size
     cols = part * n + jnp.arange(n)
     row_ok = jnp.broadcast_to(t_ok[:, None], (t_ok.shape[0], n))
-    scale = plgpu.load(scale_ref.at[(*index, cols[None, :])], mask=row_ok, other=1)  # [block, n]
-    block = scale.shape[0]
-    if n == 1:
-        return jnp.broadcast_to(scale, (block, part_dim))
-    return jnp.broadcast_to(scale[:, :, None], (block, n, group_size)).reshape(block, part_dim)
+    return plgpu.load(scale_ref.at[(*index, cols[None, :])], mask=row_ok, other=1)
+
+
+def _per_element(group_size: int, part_dim: int) -> bool:
+    """Parts whose groups are loaded per element (`_group_scales`)."""
+    return dot_width(part_dim) != part_dim or part_dim % group_size != 0
+
+
+def _spread(scales, group_size: int, part_dim: int):
+    """`_group_scales`' tile -> the scale of each element of the part, `[block, Pd]`."""
+    if _per_element(group_size, part_dim):
+        return scales
+    block, n = scales.shape  # n >= 2: groups of a whole part are factored (`part_scales`)
+    return jnp.broadcast_to(scales[:, :, None], (block, n, group_size)).reshape(block, part_dim)
 
 
 def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype):

@@ -92,20 +92,25 @@ def softmax_update(carry, s, load_v, precision=None, v_scale=None):
     """Folds one key block into the state. s: `[rows, block]` base-2 logits (masked keys at
     MASK_VALUE); `load_v()` returns V `[block, Dp]` (or its parts), loaded after the
     exponentials; `v_scale` `[block]`: a factor of each V row not applied by `load_v`
-    (a quantized cache's row scales), folded into the probabilities instead."""
+    (a quantized cache's row scales), folded into the probabilities instead; or a tuple
+    of them, one per part of V."""
     acc, m, l = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    p_v = p if v_scale is None else p * v_scale[None, :]
 
-    def fold(a, v):
+    def fold(a, v, scale):
+        p_v = p if scale is None else p * scale[None, :]
         f32 = jnp.float32
         pv = jnp.dot(p_v.astype(v.dtype), v, precision=precision, preferred_element_type=f32)
         return a * alpha[:, None] + pv
 
-    return jax.tree.map(fold, acc, load_v()), m_new, l
+    v = load_v()
+    if not isinstance(acc, tuple):
+        return fold(acc, v, v_scale), m_new, l
+    scales = v_scale if isinstance(v_scale, tuple) else (v_scale,) * len(acc)
+    return tuple(map(fold, acc, v, scales)), m_new, l
 
 
 def softmax_finish(carry, row_ok=True):

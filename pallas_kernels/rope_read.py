@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
+from pallas_kernels.cache_read import scaled_sum
+
 __all__ = [
     "RopeTables",
     "TileQueries",
@@ -159,16 +161,18 @@ def decode_queries(q, refs, b, heads, row_ok, pos, *, window, sink_tokens, part_
 
 
 def decode_scores(q_rot, k, tables, t, pos, precision, *, window, sink_tokens, part_cols,
-                  col_ok):  # fmt: skip
+                  col_ok, part_scales=None):  # fmt: skip
     """float32 `[rows, block_kv]` logits of the un-rotated key parts `k` of tokens `t`, at
-    their positions within the cache (`t` for sinks, `t - o(pos)` otherwise)."""
+    their positions within the cache (`t` for sinks, `t - o(pos)` otherwise); each part's
+    scaled by its `[block_kv]` scales (`part_scales`, one per part) when given."""
     key_pos = t - evicted(pos, window, sink_tokens)
     if window is not None and sink_tokens:
         key_pos = jnp.where(t < sink_tokens, t, key_pos)
-    return sum(
+    dots = [
         rotated_dot(qp, kp, *table_rows(tables, key_pos, cols, col_ok), precision)
         for qp, kp, cols in zip(q_rot, k, part_cols, strict=True)
-    )
+    ]
+    return scaled_sum(dots, part_scales)
 
 
 def rotated_query_rows(q_ref, refs, b, heads, row_ok, cols, col_ok):

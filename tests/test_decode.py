@@ -198,7 +198,7 @@ QUANTS = [
     jaxattn.KVQuant(dtype, granularity, group_size)
     for dtype in ("int8", "float8_e4m3fn", "int4")
     for granularity, group_size in (("tensor", None), ("group", None), ("group", 8))
-]
+] + [jaxattn.KVQuant("int4", "group", _head_dim() // 2)]  # a scale per INT4 part's row
 
 
 @impls

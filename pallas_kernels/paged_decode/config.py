@@ -77,9 +77,11 @@ class PagedDecodeConfig:
           (64x2x3: 99 against 102 us with uniform lengths; sweep of 2026-11-22 20:42-21:37 UTC).
         - quantized caches (`code`: "int8", "float8_e4m3fn", "int4"; in-kernel
           dequantization): 128-token blocks and at least two splits were best for every
-          format at B64 ctx16384 (up to 1.35x over 64x4x3 unsplit); 2 stages, except INT4:
-          3 stages ran 4% faster there (0.561 vs 0.583 ms), INT8 2% slower (sweep of
-          2026-11-22 14:51 UTC, bench/HISTORY.md probes).
+          format at B64 ctx16384 (up to 1.35x over 64x4x3 unsplit; sweep of 2026-11-22
+          14:51 UTC); 3 stages, with the kernel's table entries and scales loaded a step
+          ahead (INT8 per tensor 0.81 ms against 0.90 in 2 stages, groups of 8 1.15
+          against 1.28, INT4 per tensor 0.54 against 0.55 in 4 stages; 128x8 and 256x8
+          tilings 1.2-1.7x slower; probes of 2026-11-26, bench/HISTORY.md).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -95,7 +97,7 @@ class PagedDecodeConfig:
         block_kv = 128
         splits = max(-(-2 * sm_count // programs), 1 if code is None else 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
-        stages = 3 if code == "int4" else 2
+        stages = 2 if code is None else 3
         return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=stages)
 
 

@@ -36,7 +36,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import rope_read
-from pallas_kernels.cache_read import PLAIN, CacheFormat, read_kv, ring_position, row_scale
+from pallas_kernels.cache_read import (
+    PLAIN,
+    CacheFormat,
+    load_scales,
+    read_kv,
+    ring_position,
+    row_scale,
+    scaled_sum,
+)
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
@@ -148,10 +156,21 @@ def _paged_decode_kernel(
             s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
         return s
 
-    def body(block, carry):
-        t = block * block_kv + jnp.arange(block_kv)  # [block_kv] token positions
-        t_ok = (t >= 0) & (t < cached)
-        stored_at = ring_position(t, params.ring)
+    factored = fmt.factored(head_dim)
+    # Quantized pools: table entries and scales loaded a step ahead (`fetch`). H100, B64
+    # ctx16384 (probes of 2026-11-26, bench/HISTORY.md): INT8 per tensor 0.88 -> 0.81 ms
+    # (with 3 stages), groups of 8 1.56 -> 1.15; float pools ran as fast or slower
+    # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms).
+    ahead = fmt.dtype is not None
+
+    def tokens(block):  # block's token positions [block_kv], which exist, where stored
+        t = block * block_kv + jnp.arange(block_kv)
+        return t, (t >= 0) & (t < cached), ring_position(t, params.ring)
+
+    def fetch(block):
+        """The loads block's reads depend on: its table entries `[block_kv]` and its K and
+        V scales (`load_scales`); for quantized pools issued a step ahead (`ahead`)."""
+        t, t_ok, stored_at = tokens(block)
         col = stored_at // page_size
         row = b
         if has_indirection:  # token t from beam ind[b // W, b % W, t] of this request
@@ -162,21 +181,40 @@ def _paged_decode_kernel(
         # Entries are clipped into the pool on use: a corrupt table never reads off it.
         entries = plgpu.load(table_ref.at[row, col], mask=t_ok & (col < max_pages), other=0)
         at = (entries[:, None], kvh, (stored_at % page_size)[:, None])
+        scales = tuple(load_scales(ref, fmt, at, kv, t_ok, head_dim)
+                       for kv, ref in enumerate((k_scale_ref, v_scale_ref)))  # fmt: skip
+        return entries, scales
+
+    def body(block, carry):
+        state, next_loads = carry
+        if ahead:
+            entries, (k_scales, v_scales) = next_loads
+            next_loads = fetch(block + 1)
+        else:
+            entries, (k_scales, v_scales) = fetch(block)
+        t, t_ok, stored_at = tokens(block)
+        at = (entries[:, None], kvh, (stored_at % page_size)[:, None])
         read = functools.partial(
             read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret
         )
-        k = read(k_ref, k_scale_ref, kv=0, dtype=dtype)  # parts of [block_kv, Pd]
+        k = read(k_ref, kv=0, dtype=dtype, scales=k_scales)  # parts of [block_kv, Pd]
+        k_scale = v_scale = part_scales = None
+        if factored:  # scales factored out of the tiles: they scale logits and probabilities
+            k_scale = row_scale(k_scale_ref, k_scales, t_ok)  # [block_kv], or one per part
+            v_scale = row_scale(v_scale_ref, v_scales, t_ok)
+            if isinstance(k_scale, tuple):
+                part_scales, k_scale = k_scale, None
         if has_rope:
-            s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision, **rope_at)
+            s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision,
+                                        part_scales=part_scales, **rope_at)  # fmt: skip
         else:
-            s = sum(
+            dots = [
                 jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
                 for qp, kp in zip(q, k, strict=True)
-            )
-        v_scale = None
-        if fmt.row_scales:  # factored out of the tiles: scale logits and probabilities
-            s = s * row_scale(k_scale_ref, fmt, at, 0, t_ok)[None, :]
-            v_scale = row_scale(v_scale_ref, fmt, at, 1, t_ok)
+            ]
+            s = scaled_sum(dots, part_scales)
+        if k_scale is not None:
+            s = s * k_scale[None, :]
         s = logits(s, t)
         visible = t_ok
         if params.window is not None:
@@ -185,8 +223,12 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        load_v = lambda: read(v_ref, v_scale_ref, kv=1, dtype=dtype)  # noqa: E731
-        return softmax_update(carry, s, load_v, precision, v_scale)
+        load_v = lambda: read(v_ref, kv=1, dtype=dtype, scales=v_scales)  # noqa: E731
+        return softmax_update(state, s, load_v, precision, v_scale), next_loads
+
+    def run_blocks(lo, hi, state):  # folds blocks [lo, hi) into the softmax state
+        next_loads = fetch(lo) if ahead else None
+        return jax.lax.fori_loop(lo, hi, body, (state, next_loads))[0]
 
     ctx_all = None
     if num_splits > 1:  # every row's length: the batch's chunk length
@@ -213,8 +255,8 @@ def _paged_decode_kernel(
         # a select of constants: see flash_prefill on Triton's i1/i32 lowering.)
         sink_b = jnp.minimum(pl.cdiv(jnp.minimum(params.sink_tokens, cached), block_kv), lo_b)
         sink_b = sink_b * (1 - jnp.minimum(split, 1))
-        carry = jax.lax.fori_loop(0, sink_b, body, carry)
-    carry = jax.lax.fori_loop(start, end, body, carry)
+        carry = run_blocks(0, sink_b, carry)
+    carry = run_blocks(start, end, carry)
     out, lse = softmax_finish(carry)
     store_ok = row_ok[:, None] & dim_ok
     for p, part in enumerate(out):
