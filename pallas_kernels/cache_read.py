@@ -175,13 +175,17 @@ def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
     pipelined by Triton, and a scale load waited on in every step held the per-row and
     per-group formats far below the per-tensor ones).
 
-    Returns None (plain pools; per tensor: `row_scale` reads the scalar); with scales
+    Returns None (plain pools; per tensor: `factored_scales` reads the scalar); with scales
     factored out of the tiles (`fmt.factored`) the `[block]` row scales as stored, or per
     part its own (`fmt.part_scales`); with finer groups, per part, the row's groups
     `[block, n]` (n = part width / group size) for `read_kv` to repeat over their
     channels, or for parts of a width that is no power of two (head dims like 80) each
     element's scale `[block, Pd]`.
-    Arguments as `read_kv`."""
+
+    Args:
+      scale_ref: None (plain pools), float32 `[1]` ("tensor") or the pool's scale pages
+        (`[N, Hkv, P, G]`, or as `fmt.layout` says) ("group").
+      at, kv, t_ok, head_dim: as `read_kv`."""
     if fmt.dtype is None or scale_ref.shape == (1,):
         return None
     entries, kvh, offsets = at
@@ -199,7 +203,7 @@ def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
     )
 
 
-def row_scale(scale_ref, scales, t_ok):
+def factored_scales(scale_ref, scales, t_ok):
     """The factored scales of `block` tokens (`fmt.factored`), float32 `[block]`, or a
     tuple of them per part, from the per-tensor `scale_ref` or what `load_scales` gave
     (`scales`)."""
@@ -222,7 +226,8 @@ def read_kv(
     ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scales=None, asm: bool = False
 ):
     """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
-    dequantized except for factored scales (`fmt.factored`: the caller applies `row_scale`).
+    dequantized except for factored scales (`fmt.factored`: the caller applies
+    `factored_scales`).
     Codes become bfloat16 values without conversion instructions (`codes.py`; `asm`: on
     the GPU, not in interpret mode); finer groups multiply by their bfloat16 scale in
     bfloat16 (one rounding of the exact product, as the reference's).
@@ -276,6 +281,17 @@ def _group_scales(scale_ref, index, group_size: int, part: int, part_dim: int, t
 def _per_element(group_size: int, part_dim: int) -> bool:
     """Parts whose groups are loaded per element (`_group_scales`)."""
     return dot_width(part_dim) != part_dim or part_dim % group_size != 0
+
+
+def scales_per_element(fmt: CacheFormat, head_dim: int) -> bool:
+    """A tile's scales come one per element (`[block, Pd]` a part): too many registers to
+    carry from one step to the next (`load_scales`)."""
+    return (
+        fmt.dtype is not None
+        and fmt.granularity == "group"
+        and not fmt.factored(head_dim)
+        and _per_element(fmt.group_size, head_dim // fmt.parts)
+    )
 
 
 def _spread(scales, group_size: int, part_dim: int):

@@ -110,7 +110,7 @@ def softmax_update(carry, s, load_v, precision=None, v_scale=None):
     if not isinstance(acc, tuple):
         return fold(acc, v, v_scale), m_new, l
     scales = v_scale if isinstance(v_scale, tuple) else (v_scale,) * len(acc)
-    return tuple(map(fold, acc, v, scales)), m_new, l
+    return tuple(fold(*x) for x in zip(acc, v, scales, strict=True)), m_new, l
 
 
 def softmax_finish(carry, row_ok=True):

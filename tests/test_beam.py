@@ -23,6 +23,7 @@ from paged_oracle import step_oracle
 
 import jaxattn
 from jaxattn.manager import KVCacheManager, pad_ids
+from jaxattn.quant import dequantize
 
 N, P, S, M = 12, 4, 6, 4  # pages, page size, max seqs, max pages per seq
 R = 3  # pairs / ids per call
@@ -382,26 +383,28 @@ HQ, HKV, D, PAGE, MAX_PAGES = 4, 2, 32, 4, 4
 CAPACITY = PAGE * MAX_PAGES
 
 
-def _beam_problem(width: int, lengths, ind_len: int, seed):
+def _beam_problem(width: int, lengths, ind_len: int, seed, max_pages: int = MAX_PAGES):
     """Requests of `width` beams (rows ordered (request, beam)), each row's own history in
-    random pages (NaN elsewhere), a random indirection; and each row's gathered history."""
+    random pages (NaN elsewhere), a random indirection; and each row's gathered history
+    (`max_pages` pages of PAGE tokens a row)."""
     rng = util.rng_for("beam", width, tuple(lengths), ind_len, seed)
+    capacity = max_pages * PAGE
     rows = len(lengths) * width
     row_len = np.repeat(lengths, width)  # beams of a request have one length
-    own = rng.standard_normal((2, rows, CAPACITY, HKV, D))  # K and V of each row
-    num_pages = rows * MAX_PAGES + 3
+    own = rng.standard_normal((2, rows, capacity, HKV, D))  # K and V of each row
+    num_pages = rows * max_pages + 3
     pools = np.full((2, num_pages, HKV, PAGE, D), np.nan)
-    tables = rng.permutation(num_pages)[: rows * MAX_PAGES].reshape(rows, MAX_PAGES)
+    tables = rng.permutation(num_pages)[: rows * max_pages].reshape(rows, max_pages)
     for r in range(rows):
         for t in range(row_len[r]):
             pools[:, tables[r, t // PAGE], :, t % PAGE] = own[:, r, t]
     ind = rng.integers(0, width, (len(lengths), width, ind_len))
-    t = np.arange(CAPACITY)
+    t = np.arange(capacity)
     r = np.arange(rows)[:, None]
     beam = np.where(
         t < ind_len, ind.reshape(rows, ind_len)[:, np.minimum(t, ind_len - 1)], r % width
     )
-    hist = own[:, r - r % width + beam, t]  # [2, rows, CAPACITY, HKV, D]
+    hist = own[:, r - r % width + beam, t]  # [2, rows, capacity, HKV, D]
     q = rng.standard_normal((rows, HQ, D))
     cache = jaxattn.PagedKVCache(*(jnp.asarray(p, jnp.float32) for p in pools))
     return (jnp.asarray(q, jnp.float32), cache, jnp.asarray(tables, jnp.int32),
@@ -440,6 +443,37 @@ def test_decode_with_indirection_equals_gathered_histories(impl, width, lengths,
         util.assert_out_close(out, want[:, 0], "float32", what=f"{impl} {config}")
         util.assert_lse_close(lse, want_lse[:, :, 0], "float32")
         util.assert_zero_rows(out, (np.asarray(lens) == 0)[:, None, None], "idle rows")
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("int4", "group", D // 2)],
+    ids=str,
+)  # fmt: skip
+def test_indirection_on_a_quantized_cache(quant):
+    """Beams read through a quantized cache (table entries and scales loaded a step ahead
+    in the kernel): the same outputs as the float cache holding its dequantized values,
+    split-K off and on."""
+    q, cache, tables, lens, ind, _ = _beam_problem(3, (40, 23), 30, 2, max_pages=12)
+    n, hkv, page, d = cache.k_pages.shape
+    tokens = lambda x: jnp.swapaxes(x, 1, 2).reshape(n * page, hkv, d)  # noqa: E731
+    stored = jaxattn.PagedKVCache.create(n, page, hkv, d, quant=quant)
+    stored = jaxattn.write_kv(stored, tokens(cache.k_pages), tokens(cache.v_pages),
+                              jnp.arange(n * page))  # fmt: skip
+    plain = jaxattn.PagedKVCache(
+        *(dequantize(x, s, quant) for x, s in ((stored.k_pages, stored.k_scales),
+                                               (stored.v_pages, stored.v_scales)))
+    )  # fmt: skip
+    # 16-token blocks: the 40-token rows run a sink block, then two window blocks.
+    opts = dict(window=20, sink_tokens=18, cache_indirection=ind, return_lse=True)
+    for splits in (1, 2):
+        config = jaxattn.PagedDecodeConfig(16, splits)
+        want, want_lse = jaxattn.paged_decode(q, plain, tables, lens, implementation="xla", **opts)
+        out, lse = jaxattn.paged_decode(
+            q, stored, tables, lens, implementation="pallas", config=config, **opts
+        )
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
 
 
 def test_identity_indirection_changes_nothing():

@@ -171,6 +171,20 @@ def test_decode_heuristic_tilings(batch, context, want):
 
 
 @pytest.mark.parametrize(
+    "batch, context, code, want",
+    [
+        (64, 16384, "int8", (128, 2, 4, 3)),  # at least two splits, 3 stages
+        (8, 8192, "int4", (128, 5, 4, 3)),
+        (256, 2048, "float8_e4m3fn", (128, 2, 4, 3)),
+    ],
+)
+def test_decode_heuristic_tilings_quantized(batch, context, code, want):
+    """Quantized caches: 128-token blocks in 3 stages, split at least in two."""
+    config = jaxattn.PagedDecodeConfig.heuristic(batch, 8, context, 16, sm_count=132, code=code)
+    assert (config.block_kv, config.num_splits, config.num_warps, config.num_stages) == want
+
+
+@pytest.mark.parametrize(
     "window, has_new, want",
     [  # rows of 100, 1000 and 0 tokens, blocks of 16, 4 splits: [start, end) per split
         (None, False, [[(0, 7), (7, 7), (7, 7), (7, 7)],
@@ -207,10 +221,26 @@ QUANTS = [
 def test_quantized_decode_vs_oracle(quant, dtype, impl):
     """Dequantized in-kernel: equals the float64 oracle run on the dequantized cache (the
     values `gather_kv` returns), with split-K off and on. Every slot no sequence owns holds
-    large garbage, so reading one shows."""
-    rng = util.rng_for("quant-decode", str(quant), dtype)
-    page, max_pages, hkv, d, num_pages = 8, 6, 2, _head_dim(), 40
-    lengths = np.array([1, 8, 9, 48, 30])
+    large garbage, so reading one shows. The 80-token row runs two sink blocks, then three
+    window blocks (two a split): loads issued a step ahead cross steps and loops."""
+    _quantized_decode_vs_oracle(quant, dtype, impl, _head_dim())
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [jaxattn.KVQuant("int4", "group", 40), jaxattn.KVQuant("int8", "group", 8)],
+    ids=str,
+)  # fmt: skip
+def test_quantized_decode_odd_head_dim(quant):
+    """Head dim 80: INT4 parts of 40 channels, padded to 64 for the dot, each with its own
+    scale (factored); INT8 in groups of 8, a scale per element of a 128-wide padded tile."""
+    _quantized_decode_vs_oracle(quant, "float32", "pallas", 80)
+
+
+def _quantized_decode_vs_oracle(quant, dtype, impl, d):
+    rng = util.rng_for("quant-decode", str(quant), dtype, d)
+    page, max_pages, hkv, num_pages = 8, 10, 2, 64
+    lengths = np.array([1, 8, 9, 48, 30, 80])
     batch = len(lengths)
     tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
     scales = dict(k_scale=0.03, v_scale=0.025) if quant.granularity == "tensor" else {}
@@ -226,7 +256,7 @@ def test_quantized_decode_vs_oracle(quant, dtype, impl):
     # The oracle's K/V: the dequantized history, rounded to q's dtype as the kernel does.
     k_hist, v_hist = jaxattn.gather_kv(cache, tables, lens, max_pages * page)
     k_hist, v_hist = (util.f64(x.astype(dtype)) for x in (k_hist, v_hist))
-    options = dict(window=20, sink_tokens=2, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS))
+    options = dict(window=40, sink_tokens=18, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS))
     oracle = functools.partial(
         attention_oracle, util.f64(q)[:, None], k_hist, v_hist, causal=True,
         q_lengths=np.ones(batch, int), kv_lengths=lengths,
@@ -234,7 +264,7 @@ def test_quantized_decode_vs_oracle(quant, dtype, impl):
     )  # fmt: skip
     want = oracle()[0][:, 0]
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
-    for splits in (1, 3):
+    for splits in (1, 2):
         config = jaxattn.PagedDecodeConfig(16, splits) if impl == "pallas" else None
         out = jaxattn.paged_decode(
             q, cache, tables, lens, implementation=impl, config=config, **options

@@ -45,10 +45,11 @@ def case_for(*key, **kw):
     return make_case(util.rng_for("ppl", *key, *sorted(kw.items())), **kw)
 
 
-def op_fn(case, implementation, *, donate=False, traced_decoding=True):
+def op_fn(case, implementation, *, donate=False, traced_decoding=True, **op_kw):
     """The op under jax.jit: arrays (and `decoding_batches`, unless not `traced_decoding`)
-    traced; max_seqlen, max_kvlen and the keywords static."""
-    kw = dict(case.kw, implementation=implementation)
+    traced; max_seqlen, max_kvlen and the keywords static (`op_kw`: more of them, such as
+    the kernels' tilings)."""
+    kw = dict(case.kw, implementation=implementation, **op_kw)
 
     def fn(q, k, v, seqstarts, kvstarts, cachestarts, start_pos, decoding, cache, scale, mask):
         if not traced_decoding:
@@ -201,6 +202,14 @@ def test_layouts_pallas(cache_layout, cache_mode, quant_bit):
     case = case_for(cache_layout=cache_layout, cache_mode=cache_mode, quant_bit=quant_bit,
                     **dtypes_for(quant_bit))  # fmt: skip
     check(case, run(case, "pallas"))
+
+
+def test_int4_decode_over_several_blocks():
+    """INT4 (groups of 8 = a scale per half-row at head_dim 16) read in 16-token blocks, two
+    splits: the decode kernel's loads issued a step ahead cross steps in a token layout (the
+    heuristic's 128-token blocks cover these rows in one step)."""
+    case = case_for("several blocks", cache_layout=0, cache_mode=1, quant_bit=4, dtype="float16")
+    check(case, run(case, "pallas", decode_config=jaxattn.PagedDecodeConfig(16, 2)))
 
 
 @pytest.mark.parametrize("quant_bit", [0, 8, 4])

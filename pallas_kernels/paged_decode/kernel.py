@@ -39,11 +39,12 @@ from pallas_kernels import rope_read
 from pallas_kernels.cache_read import (
     PLAIN,
     CacheFormat,
+    factored_scales,
     load_scales,
     read_kv,
     ring_position,
-    row_scale,
     scaled_sum,
+    scales_per_element,
 )
 from pallas_kernels.common import (
     LOG2E,
@@ -160,8 +161,9 @@ def _paged_decode_kernel(
     # Quantized pools: table entries and scales loaded a step ahead (`fetch`). H100, B64
     # ctx16384 (probes of 2026-11-26, bench/HISTORY.md): INT8 per tensor 0.88 -> 0.81 ms
     # (with 3 stages), groups of 8 1.56 -> 1.15; float pools ran as fast or slower
-    # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms).
-    ahead = fmt.dtype is not None
+    # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms). Not scales per element (head dims like
+    # 80): a `[block, Pd]` tile a part, for K and V, is too much to carry.
+    ahead = fmt.dtype is not None and not scales_per_element(fmt, head_dim)
 
     def tokens(block):  # block's token positions [block_kv], which exist, where stored
         t = block * block_kv + jnp.arange(block_kv)
@@ -200,8 +202,8 @@ def _paged_decode_kernel(
         k = read(k_ref, kv=0, dtype=dtype, scales=k_scales)  # parts of [block_kv, Pd]
         k_scale = v_scale = part_scales = None
         if factored:  # scales factored out of the tiles: they scale logits and probabilities
-            k_scale = row_scale(k_scale_ref, k_scales, t_ok)  # [block_kv], or one per part
-            v_scale = row_scale(v_scale_ref, v_scales, t_ok)
+            k_scale = factored_scales(k_scale_ref, k_scales, t_ok)  # [block_kv], or per part
+            v_scale = factored_scales(v_scale_ref, v_scales, t_ok)
             if isinstance(k_scale, tuple):
                 part_scales, k_scale = k_scale, None
         if has_rope:
