@@ -466,9 +466,9 @@ def test_indirection_on_a_quantized_cache(quant):
     )  # fmt: skip
     # 16-token blocks: the 40-token rows run a sink block, then two window blocks.
     opts = dict(window=20, sink_tokens=18, cache_indirection=ind, return_lse=True)
+    want, want_lse = jaxattn.paged_decode(q, plain, tables, lens, implementation="xla", **opts)
     for splits in (1, 2):
         config = jaxattn.PagedDecodeConfig(16, splits)
-        want, want_lse = jaxattn.paged_decode(q, plain, tables, lens, implementation="xla", **opts)
         out, lse = jaxattn.paged_decode(
             q, stored, tables, lens, implementation="pallas", config=config, **opts
         )
