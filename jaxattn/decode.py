@@ -289,6 +289,7 @@ def _pallas_local(
             block_tables.shape[1] * cache.page_size,
             cache.page_size,
             code=fmt.dtype,
+            row_scales=fmt.one_group_a_row,
         )
     params = DecodeParams(
         window=None if window is None else int(window),

@@ -524,6 +524,7 @@ def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, i
         meta.max_pages * cache.page_size,
         cache.page_size,
         code=fmt.dtype,
+        row_scales=fmt.one_group_a_row,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined

@@ -133,6 +133,11 @@ class CacheFormat:
         """One scale per token row (per tensor, or groups spanning the whole row)."""
         return self.dtype is not None and (self.granularity == "tensor" or self.group_size == 0)
 
+    @property
+    def one_group_a_row(self) -> bool:
+        """Per-group scales with one group a row: a scale per token and head."""
+        return self.dtype is not None and self.granularity == "group" and self.group_size == 0
+
     def part_scales(self, head_dim: int) -> bool:
         """One scale along each part's row: groups of a whole part or more (INT4 in groups
         of D/2; a group of D given as such)."""

@@ -179,9 +179,41 @@ def test_decode_heuristic_tilings(batch, context, want):
     ],
 )
 def test_decode_heuristic_tilings_quantized(batch, context, code, want):
-    """Quantized caches: 128-token blocks in 3 stages, split at least in two."""
+    """Quantized caches: 128-token blocks in 3 stages, split at least in two; INT8 with a
+    scale per token row: 64-token blocks in 2 warps."""
     config = jaxattn.PagedDecodeConfig.heuristic(batch, 8, context, 16, sm_count=132, code=code)
     assert (config.block_kv, config.num_splits, config.num_warps, config.num_stages) == want
+    rows = jaxattn.PagedDecodeConfig.heuristic(
+        batch, 8, context, 16, sm_count=132, code=code, row_scales=True
+    )
+    if code == "int8":
+        want = (64, want[1], 2, 3)
+    assert (rows.block_kv, rows.num_splits, rows.num_warps, rows.num_stages) == want
+
+
+def test_decode_picks_the_row_scale_tiling(monkeypatch):
+    """The op hands the heuristic the cache's granularity: INT8 with one group a row gets
+    64-token blocks in 2 warps, INT8 in groups of 8 the 128-token tiling."""
+    import jaxattn.decode as decode
+
+    configs = []
+    real = decode._paged_decode_kernel
+
+    def spy(*args, config, **kw):
+        configs.append(config)
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(decode, "_paged_decode_kernel", spy)
+    rng = util.rng_for("row-scale-tiling")
+    d, page, num_pages = _head_dim(), 8, 4
+    q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
+    tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
+    for group_size, want in ((None, (64, 2, 3)), (8, (128, 4, 3))):
+        quant = jaxattn.KVQuant("int8", "group", group_size)
+        cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
+        jaxattn.paged_decode(q, cache, tables, lens, implementation="pallas")
+        got = configs[-1]
+        assert (got.block_kv, got.num_warps, got.num_stages) == want, (quant, got)
 
 
 @pytest.mark.parametrize(

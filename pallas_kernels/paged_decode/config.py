@@ -53,6 +53,7 @@ class PagedDecodeConfig:
         sm_count=None,
         *,
         code: str | None = None,
+        row_scales: bool = False,
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
@@ -81,7 +82,12 @@ class PagedDecodeConfig:
           14:51 UTC); 3 stages, with the kernel's table entries and scales loaded a step
           ahead (INT8 per tensor 0.81 ms against 0.90 in 2 stages, groups of 8 1.15
           against 1.28, INT4 per tensor 0.54 against 0.55 in 4 stages; 128x8 and 256x8
-          tilings 1.2-1.7x slower; probes of 2026-11-26, bench/HISTORY.md).
+          tilings 1.2-1.7x slower; probes of 2026-11-26, bench/HISTORY.md). INT8 with one
+          scale per token and head (`row_scales`: per-group scales, one group a row):
+          64-token blocks in 2 warps, 9-13% faster (B64 ctx16384 0.965 against 1.109 ms,
+          B8 ctx8192 0.097 against 0.107, B64 ctx2048 0.142 against 0.161); FP8 and INT4
+          rows, and INT8 per tensor, ran slower so (probes of 2026-11-26 03:55 and 04:25
+          UTC).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -97,6 +103,8 @@ class PagedDecodeConfig:
         block_kv = 128
         splits = max(-(-2 * sm_count // programs), 1 if code is None else 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
+        if code == "int8" and row_scales:
+            return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
         stages = 2 if code is None else 3
         return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=stages)
 
