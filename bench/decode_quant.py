@@ -67,6 +67,7 @@ def decode_quant_set(settings: Settings) -> SetResult:
 
 def _decode_quant_rows(settings: Settings, row: DecodeRow) -> list:
     import jaxattn
+    from jaxattn.decode import default_decode_config
 
     heads = SMOKE_HEADS if settings.smoke else HEADS
     num_q_heads, num_kv_heads, head_dim, page_size = heads
@@ -100,16 +101,7 @@ def _decode_quant_rows(settings: Settings, row: DecodeRow) -> list:
             num_pages, page_size, num_kv_heads, head_dim, quant=quant, **scales
         )
         cache = write(cache, k, v, slots)
-        config = jaxattn.PagedDecodeConfig.heuristic(
-            row.batch,
-            num_kv_heads,
-            row.context,
-            page_size,
-            code=None if quant is None else quant.dtype,
-            row_scales=quant is not None
-            and quant.granularity == "group"
-            and quant.num_groups(head_dim) == 1,
-        )
+        config = default_decode_config(cache, row.batch, row.context)  # what the op picks
         kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
         kv_bytes *= bytes_per_token_head(quant, head_dim)
         ideal = bytes_per_token_head(None, head_dim) / bytes_per_token_head(quant, head_dim)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
+from jaxattn.decode import default_decode_config
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -84,10 +85,7 @@ def _probe(args, log) -> None:
         for spec in args.formats.split(","):
             quant = _quant(spec)
             inputs = _cache(quant, batch, context)
-            chosen = jaxattn.PagedDecodeConfig.heuristic(
-                batch, HKV, context, PAGE, code=quant.dtype,
-                row_scales=quant.granularity == "group" and quant.num_groups(D) == 1,
-            )  # fmt: skip
+            chosen = default_decode_config(inputs[1], batch, context)
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
                 block_kv, warps, stages = map(int, tiling.split("x"))

@@ -184,6 +184,16 @@ def paged_decode(
     return run_first(implementation, run)
 
 
+def default_decode_config(cache: PagedKVCache, batch: int, max_context: int) -> PagedDecodeConfig:
+    """The decode kernel's tiling for `batch` rows over `cache` with tables of `max_context`
+    tokens when none is given: `PagedDecodeConfig.heuristic` for the cache's format."""
+    fmt = cache_format(cache)
+    return PagedDecodeConfig.heuristic(
+        batch, cache.num_kv_heads, max_context, cache.page_size,
+        code=fmt.dtype, row_scales=fmt.one_group_a_row,
+    )  # fmt: skip
+
+
 def cache_format(cache: PagedKVCache) -> CacheFormat:
     """What the kernels need to know of a cache's pools (`pallas_kernels.cache_read`):
     its quantized format, with group_size 0 when one group spans the row."""
@@ -283,14 +293,7 @@ def _pallas_local(
         validation.check_fp8_kernel_output()
     fmt = cache_format(cache)
     if config is None:
-        config = PagedDecodeConfig.heuristic(
-            q.shape[0],
-            cache.num_kv_heads,
-            block_tables.shape[1] * cache.page_size,
-            cache.page_size,
-            code=fmt.dtype,
-            row_scales=fmt.one_group_a_row,
-        )
+        config = default_decode_config(cache, q.shape[0], block_tables.shape[1] * cache.page_size)
     params = DecodeParams(
         window=None if window is None else int(window),
         sink_tokens=int(sink_tokens),

@@ -31,7 +31,7 @@ from jaxtyping import Array, Float
 
 from jaxattn import history, reference, streaming, validation
 from jaxattn.cache import PagedKVCache, write_kv_stored
-from jaxattn.decode import cache_format
+from jaxattn.decode import cache_format, default_decode_config
 from jaxattn.dispatch import run_first
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.parallel.partition import HEADS, KV_HEADS, Out, run_sharded
@@ -518,13 +518,10 @@ def _kernel_output(out_dtype, out_scale) -> dict:
 def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, interpret, rope):
     """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
     or the heuristic for the plan's rows (its tokens when decode-only)."""
-    decode_config = config.decode or PagedDecodeConfig.heuristic(
+    decode_config = config.decode or default_decode_config(
+        cache,
         meta.max_tokens if meta.decode_only else meta.max_seqs,
-        cache.num_kv_heads,
         meta.max_pages * cache.page_size,
-        cache.page_size,
-        code=fmt.dtype,
-        row_scales=fmt.one_group_a_row,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined
