@@ -20,13 +20,14 @@ HEADER = (
     "# Benchmark results: the latest run of each set (`python -m bench.run`)\n\n"
     "Every row was checked against the float32 reference (`jaxattn.reference`) before it was "
     "timed. Runs are newest first; the line under each heading says which code it measured. "
-    "Older runs of each set, and every probe write-up (ad-hoc scripts, not `make bench`) but "
-    "the newest, are in `bench/HISTORY.md`.\n"
+    "Older runs of each set, and the probe write-ups (ad-hoc scripts, not `make bench`) but "
+    "the newest notes kept inside a run's block, are in `bench/HISTORY.md`.\n"
 )
 HISTORY_HEADER = (
     "# Benchmark history\n\n"
     "The runs of each set that a newer run replaced in `bench/RESULTS.md`, and the probe "
-    "write-ups but the newest, appended in the order they left it (oldest first). A run "
+    "write-ups (all those written as blocks of their own, and older notes inside runs), "
+    "appended in the order they left it (oldest first). A run "
     "whose sets left at different times appears once per move, under its heading.\n"
 )
 
