@@ -65,42 +65,68 @@ def decode_quant_set(settings: Settings) -> SetResult:
     return SetResult("decode_quant", description, rows)
 
 
+@dataclasses.dataclass
+class QuantInputs:
+    """The K/V of a row (`B ctx`, every sequence full, pages scattered at random) and
+    QUERY_SETS queries; `cache(quant)` writes them into a cache of that format (None:
+    bf16). Several queries: calls shorter than bench.common.CHAIN_BELOW_S (B8 rows) run
+    chained over them in one program, so host dispatch does not set their time."""
+
+    row: DecodeRow
+    heads: tuple
+    k: jax.Array
+    v: jax.Array
+    queries: jax.Array  # [QUERY_SETS, B, Hq, D]
+    tables: jax.Array
+    slots: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def make(cls, row: DecodeRow, heads) -> QuantInputs:
+        num_q_heads, num_kv_heads, head_dim, page_size = heads
+        num_pages = row.batch * (row.context // page_size)
+        keys = jax.random.split(jax.random.key(7), 3)
+        k, v = (
+            jax.random.normal(x, (num_pages * page_size, num_kv_heads, head_dim), jnp.bfloat16)
+            for x in keys[:2]
+        )
+        shape = (QUERY_SETS, row.batch, num_q_heads, head_dim)
+        queries = jax.random.normal(keys[2], shape, jnp.bfloat16)
+        tables = np.random.default_rng(7).permutation(num_pages).reshape(row.batch, -1)
+        slots = jnp.asarray(  # token t of sequence b -> its slot
+            (tables[:, :, None] * page_size + np.arange(page_size)).reshape(-1), jnp.int32
+        )
+        lengths = jnp.full((row.batch,), row.context, jnp.int32)
+        return cls(row, heads, k, v, queries, jnp.asarray(tables, jnp.int32), slots, lengths)
+
+    def cache(self, quant):
+        import jaxattn
+
+        _, num_kv_heads, head_dim, page_size = self.heads
+        scales = {}
+        if quant is not None and quant.granularity == "tensor":
+            k_scale, v_scale = jaxattn.calibrate_kv_scales(self.k, self.v, quant)
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
+        cache = jaxattn.PagedKVCache.create(
+            self.tables.size, page_size, num_kv_heads, head_dim, quant=quant, **scales
+        )
+        return jax.jit(jaxattn.write_kv, donate_argnums=0)(cache, self.k, self.v, self.slots)
+
+    def arg_sets(self, cache) -> list[tuple]:
+        return [(q, cache, self.tables, self.lengths) for q in self.queries]
+
+
 def _decode_quant_rows(settings: Settings, row: DecodeRow) -> list:
-    import jaxattn
     from jaxattn.decode import default_decode_config
 
     heads = SMOKE_HEADS if settings.smoke else HEADS
-    num_q_heads, num_kv_heads, head_dim, page_size = heads
-    pages_per_seq = row.context // page_size
-    num_pages = row.batch * pages_per_seq
-    keys = jax.random.split(jax.random.key(7), 3)
-    tokens = num_pages * page_size
-    k = jax.random.normal(keys[0], (tokens, num_kv_heads, head_dim), jnp.bfloat16)
-    v = jax.random.normal(keys[1], (tokens, num_kv_heads, head_dim), jnp.bfloat16)
-    # Several queries: calls shorter than bench.common.CHAIN_BELOW_S (B8 rows) run chained
-    # over them in one program, so host dispatch does not set their time.
-    queries = jax.random.normal(
-        keys[2], (QUERY_SETS, row.batch, num_q_heads, head_dim), jnp.bfloat16
-    )
-    q = queries[0]
-    tables = np.random.default_rng(7).permutation(num_pages).reshape(row.batch, -1)
-    slots = jnp.asarray(  # token t of sequence b -> its slot
-        (tables[:, :, None] * page_size + np.arange(page_size)).reshape(-1), jnp.int32
-    )
-    tables = jnp.asarray(tables, jnp.int32)
-    lengths = jnp.full((row.batch,), row.context, jnp.int32)
-    write = jax.jit(jaxattn.write_kv, donate_argnums=0)
+    num_kv_heads, head_dim = heads[1], heads[2]
+    inputs = QuantInputs.make(row, heads)
+    q, tables, lengths = inputs.queries[0], inputs.tables, inputs.lengths
 
     rows, base_ms = [], None
     for quant in formats(settings.smoke):
-        scales = {}
-        if quant is not None and quant.granularity == "tensor":
-            k_scale, v_scale = jaxattn.calibrate_kv_scales(k, v, quant)
-            scales = dict(k_scale=k_scale, v_scale=v_scale)
-        cache = jaxattn.PagedKVCache.create(
-            num_pages, page_size, num_kv_heads, head_dim, quant=quant, **scales
-        )
-        cache = write(cache, k, v, slots)
+        cache = inputs.cache(quant)
         config = default_decode_config(cache, row.batch, row.context)  # what the op picks
         kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
         kv_bytes *= bytes_per_token_head(quant, head_dim)
@@ -112,7 +138,7 @@ def _decode_quant_rows(settings: Settings, row: DecodeRow) -> list:
         )  # fmt: skip
         mine, *variants = bench_ours(
             settings, row_args, sweep=_sweep(config), make_fn=ours, config=config,
-            arg_sets=[(x, cache, tables, lengths) for x in queries],
+            arg_sets=inputs.arg_sets(cache),
             notes=f"{kv_bytes / 2**30:.2f} GiB read",
         )  # fmt: skip
         if mine.status == "ok":
