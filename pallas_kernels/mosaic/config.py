@@ -95,7 +95,8 @@ class MosaicBackwardConfig:
 
     @property
     def rows(self) -> int:
-        """Query rows per dQ block, keys per dK/dV block (both consumer warpgroups)."""
+        """Query rows per dQ block (both consumer warpgroups); keys per dK/dV block up to
+        head dim SPLIT_HEAD_DIM (`key_tile_rows`)."""
         return CONSUMERS * 64
 
     def dq_stages(self, head_dim: int) -> int:

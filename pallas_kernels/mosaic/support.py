@@ -96,20 +96,15 @@ def forward_unsupported(
     `[Tk, Hkv, D]`; options: the call's `terms`, `out_fp8` (`_options_unsupported`).
     Causal, window, sinks, soft-cap, scale, GQA and q/kv lengths are always covered.
     """
-    why = _options_unsupported(dtype, **options)
-    if why is not None:
-        return why
-    head_dim = q_shape[-1]
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim} (one of {HEAD_DIMS})"
-    if packed:
-        return rows_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
-    q_rows, kv_rows = q_shape[1], k_shape[1]
-    if q_rows % config.rows:
-        return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
-    if kv_rows % config.block_kv:
-        return f"Tk={kv_rows} not a multiple of block_kv={config.block_kv}"
-    return _smem_unsupported(config, head_dim, dtype)
+
+    def dense_rows(q_rows, kv_rows):
+        if q_rows % config.rows:
+            return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
+        if kv_rows % config.block_kv:
+            return f"Tk={kv_rows} not a multiple of block_kv={config.block_kv}"
+        return None
+
+    return _unsupported(q_shape, k_shape, dtype, config, packed, dense_rows, options)
 
 
 def backward_unsupported(
@@ -117,18 +112,25 @@ def backward_unsupported(
 ):
     """None if `mosaic_backward` (or, `packed`, `mosaic_backward_packed`) computes this
     gradient, else the first reason it cannot (the arguments as `forward_unsupported`'s)."""
+
+    def dense_rows(q_rows, kv_rows):
+        if q_rows % config.rows or kv_rows % config.rows:  # (and so of block_kv_dq)
+            return f"Tq={q_rows}, Tk={kv_rows} in the backward: multiples of {config.rows}"
+        return None
+
+    return _unsupported(q_shape, k_shape, dtype, config, packed, dense_rows, options)
+
+
+def _unsupported(q_shape, k_shape, dtype, config, packed: bool, dense_rows, options):
+    """The checks both kernels share, with `dense_rows(Tq, Tk)` the dense row check."""
     why = _options_unsupported(dtype, **options)
     if why is not None:
         return why
     head_dim = q_shape[-1]
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (one of {HEAD_DIMS})"
-    if packed:
-        return rows_unsupported(q_shape, k_shape) or _smem_unsupported(config, head_dim, dtype)
-    q_rows, kv_rows = q_shape[1], k_shape[1]
-    if q_rows % config.rows or kv_rows % config.rows:  # (and so of block_kv_dq)
-        return f"Tq={q_rows}, Tk={kv_rows} in the backward: multiples of {config.rows}"
-    return _smem_unsupported(config, head_dim, dtype)
+    rows = rows_unsupported(q_shape, k_shape) if packed else dense_rows(q_shape[1], k_shape[1])
+    return rows or _smem_unsupported(config, head_dim, dtype)
 
 
 def _smem_unsupported(config, head_dim: int, dtype) -> str | None:
