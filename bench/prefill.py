@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -140,18 +141,22 @@ def attention_flops(seq_lens: Sequence[int], heads: Heads, causal: bool) -> floa
     return total / 2 if causal else total
 
 
-def _qkv_sets(tokens: tuple[int, ...], heads: Heads, seed: int) -> list[tuple]:
-    """Input sets (q, k, v) to rotate; `tokens` is (B, S) for dense, (T,) for packed.
+def qkv_sets(
+    tokens: tuple[int, ...], heads: Heads, seed: int, *, cotangent: bool = False
+) -> list[tuple]:
+    """Input sets (q, k, v), or with `cotangent` (q, k, v, g), to rotate; `tokens` is
+    (B, S) for dense, (T,) for packed.
 
-    q `[*tokens, Hq, D]`, k and v `[*tokens, Hkv, D]`, standard normal in `heads.dtype`.
+    q and g `[*tokens, Hq, D]`, k and v `[*tokens, Hkv, D]`, standard normal in
+    `heads.dtype`.
     """
     q_shape = (*tokens, heads.num_q_heads, heads.head_dim)
     kv_shape = (*tokens, heads.num_kv_heads, heads.head_dim)
-    set_bytes = int(np.prod(q_shape) + 2 * np.prod(kv_shape)) * heads.dtype.itemsize
+    shapes = (q_shape, kv_shape, kv_shape) + ((q_shape,) if cotangent else ())
+    set_bytes = sum(math.prod(s) for s in shapes) * heads.dtype.itemsize
     sets = []
     for i in range(num_input_sets(set_bytes)):
-        keys = jax.random.split(jax.random.key(seed + i), 3)
-        shapes = (q_shape, kv_shape, kv_shape)
+        keys = jax.random.split(jax.random.key(seed + i), len(shapes))
         sets.append(
             tuple(jax.random.normal(k, s, heads.dtype) for k, s in zip(keys, shapes, strict=True))
         )
@@ -218,15 +223,15 @@ def pad_packed(x, lengths: Sequence[int], base=None) -> jax.Array:
     return base.at[seq_ids, positions].set(x)
 
 
-def padded_qkv_sets(qkv_sets: Sequence[tuple], lengths: Sequence[int], heads: Heads,
+def padded_qkv_sets(sets: Sequence[tuple], lengths: Sequence[int], heads: Heads,
                     seed: int) -> list[tuple]:  # fmt: skip
     """Packed input sets (q, k, v) `[T, H, D]` as the same sequences padded to the
     longest, `[B, max(lengths), H, D]`: the rows past a sequence's length are random
     (never zeros), which the lengths must mask."""
-    noise = _qkv_sets((len(lengths), int(max(lengths))), heads, seed)
+    noise = qkv_sets((len(lengths), int(max(lengths))), heads, seed)
     return [
-        tuple(pad_packed(x, lengths, n) for x, n in zip(qkv, fill, strict=True))
-        for qkv, fill in zip(qkv_sets, noise * len(qkv_sets), strict=False)
+        tuple(pad_packed(x, lengths, n) for x, n in zip(qkv, noise[i % len(noise)], strict=True))
+        for i, qkv in enumerate(sets)
     ]
 
 
@@ -381,7 +386,7 @@ def prefill_set(settings: Settings) -> SetResult:
     heads = SMOKE_HEADS if settings.smoke else FULL_HEADS
     rows = []
     for index, shape in enumerate(SMOKE_PREFILL if settings.smoke else PREFILL):
-        arg_sets = _qkv_sets((shape.batch, shape.seq_len), heads, seed=100 * index)
+        arg_sets = qkv_sets((shape.batch, shape.seq_len), heads, seed=100 * index)
         ref = _dense_reference(*arg_sets[0], shape.causal)
         flops = attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
         config = heuristic_config(shape.seq_len, heads, shape.causal)
@@ -444,9 +449,9 @@ def packed_set(settings: Settings) -> SetResult:
 
     real_flops = attention_flops(lengths, heads, causal=True)  # the packed and padded rows'
     dense_flops = attention_flops([dense.seq_len] * dense.batch, heads, causal=True)
-    qkv_sets = _qkv_sets((packed.total,), heads, seed=1000)
-    packed_sets = [(q, k, v, cu, cu) for q, k, v in qkv_sets]
-    packed_ref = _packed_reference(*qkv_sets[0], lengths, causal=True)
+    packed_qkv = qkv_sets((packed.total,), heads, seed=1000)
+    packed_sets = [(q, k, v, cu, cu) for q, k, v in packed_qkv]
+    packed_ref = _packed_reference(*packed_qkv[0], lengths, causal=True)
     max_len = int(lengths.max())
     packed_rows = _bench_ours(
         settings,
@@ -461,7 +466,7 @@ def packed_set(settings: Settings) -> SetResult:
         sweep=TRITON_SWEEP,
     )
 
-    dense_sets = _qkv_sets((dense.batch, dense.seq_len), heads, seed=2000)
+    dense_sets = qkv_sets((dense.batch, dense.seq_len), heads, seed=2000)
     dense_ref = _dense_reference(*dense_sets[0], causal=True)
     dense_rows = _bench_ours(
         settings,
@@ -477,7 +482,7 @@ def packed_set(settings: Settings) -> SetResult:
 
     # The alternative packing replaces: the same sequences padded to the longest, with
     # lengths (rows past a sequence's length are zeros, as in the reference).
-    padded_sets = padded_qkv_sets(qkv_sets, lengths, heads, seed=3000)
+    padded_sets = padded_qkv_sets(packed_qkv, lengths, heads, seed=3000)
     padded_ref = None if packed_ref is None else pad_packed(packed_ref, lengths)
     lengths_arg = jnp.asarray(lengths, jnp.int32)
 

@@ -69,7 +69,6 @@ from bench.common import (
     interleave,
     join_notes,
     mark_best,
-    num_input_sets,
     ours_entries,
     progress,
     timed_row,
@@ -83,6 +82,7 @@ from bench.prefill import (
     attention_flops,
     config_label,
     heuristic_config,
+    qkv_sets,
 )
 
 SET_NAME = "train"
@@ -125,25 +125,6 @@ STEPS, SMOKE_STEPS = 3, 2
 
 
 # ------------------------------------------------------------------ attention rows
-def grad_sets(tokens: tuple[int, ...], heads: Heads, seed: int) -> list[tuple]:
-    """Input sets (q, k, v, g) to rotate; `tokens` is (B, S) for dense, (T,) for packed.
-
-    q and g `[*tokens, Hq, D]`, k and v `[*tokens, Hkv, D]`, standard normal in
-    `heads.dtype`.
-    """
-    q_shape = (*tokens, heads.num_q_heads, heads.head_dim)
-    kv_shape = (*tokens, heads.num_kv_heads, heads.head_dim)
-    shapes = (q_shape, kv_shape, kv_shape, q_shape)
-    set_bytes = sum(math.prod(s) for s in shapes) * heads.dtype.itemsize
-    sets = []
-    for i in range(num_input_sets(set_bytes)):
-        keys = jax.random.split(jax.random.key(seed + i), len(shapes))
-        sets.append(
-            tuple(jax.random.normal(k, s, heads.dtype) for k, s in zip(keys, shapes, strict=True))
-        )
-    return sets
-
-
 def grad_fn(attend: Callable) -> Callable:
     """Jitted `(q, k, v, g, *args) -> (dq, dk, dv)`: the gradient of
     `sum(attend(q, k, v, *args) * g)` (summed in float32), which runs the forward and the
@@ -369,7 +350,7 @@ def note_speeds(main: Row, peers: dict[str, Row]) -> Row:
 
 
 def _attention_rows(settings: Settings, shape: Dense, heads: Heads, seed: int) -> list[Row]:
-    arg_sets = grad_sets((shape.batch, shape.seq_len), heads, seed)
+    arg_sets = qkv_sets((shape.batch, shape.seq_len), heads, seed, cotangent=True)
     ref = reference_grads(*arg_sets[0], shape.causal)
     flops = BACKWARD_FACTOR * attention_flops([shape.seq_len] * shape.batch, heads, shape.causal)
     forward = heuristic_config(shape.seq_len, heads, shape.causal)

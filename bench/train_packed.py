@@ -47,13 +47,13 @@ from bench.prefill import (
     cu_seqlens,
     pad_packed,
     padded_qkv_sets,
+    qkv_sets,
     sequence_slices,
     triton_config,
 )
 from bench.train import (
     BACKWARD_FACTOR,
     grad_fn,
-    grad_sets,
     note_speeds,
     reference_grads,
     with_temp,
@@ -131,7 +131,7 @@ def train_packed_set(settings: Settings) -> SetResult:
     row_args = dict(set_name=SET_NAME, tol=tol, work=flops)
 
     # Packed: q, g [T, Hq, D], k, v [T, Hkv, D], then cu_seqlens [B+1] for q and for k.
-    sets = grad_sets((packed.total,), heads, seed=1000)
+    sets = qkv_sets((packed.total,), heads, seed=1000, cotangent=True)
     cu = cu_seqlens(lengths)
     packed_sets = [(*qkvg, cu, cu) for qkvg in sets]
     ref = _packed_reference_grads(*sets[0], lengths)
