@@ -29,7 +29,7 @@ from pallas_kernels.mosaic import (
     mosaic_forward,
     select_forward,
 )
-from pallas_kernels.mosaic.common import consumer_steps, key_ring
+from pallas_kernels.mosaic.common import SMS, Launch, consumer_steps, key_ring
 from pallas_kernels.mosaic.forward import block_range, key_blocks
 
 ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
@@ -286,6 +286,32 @@ def test_key_ring_covers_sinks(causal, window, sink_tokens, kv_len, kv_first):
                 unmasked = [int(ring.block(jnp.int32(s))) for s in range(full_lo, full_hi)]
                 assert all(full[j] for j in unmasked), (where, unmasked)
     assert with_sinks or kv_len == kv_first, "no tile took the sink steps: the test is vacuous"
+
+
+@pytest.mark.parametrize(  # (heads, tiles, batch, group)
+    "shape", [(32, 32, 1, 4), (8, 32, 1, 1), (32, 16, 8, 4), (32, 128, 1, 4), (12, 3, 5, 3),
+              (6, 1, 1, 6), (4, 2, 3, 1)],
+)  # fmt: skip
+def test_launch_order(shape):
+    """Every (tile, head, batch) block exactly once; in launch order (row-major over the
+    grid) each section's tiles run heaviest (0) first and its pairs are whole kv groups of
+    one sequence's heads; a section fills two waves, with as few pairs as that takes."""
+    heads, tiles, batch, group = shape
+    launch = Launch(heads, tiles, batch, group)
+    grid = launch.grid()["grid"]
+    order = [launch.unravel(*ix) for ix in np.ndindex(*grid)]  # the launch order
+    assert sorted(order) == sorted(np.ndindex(tiles, heads, batch))
+    section = launch.section
+    assert batch * heads % section == 0 and section % group == 0
+    for first in range(0, len(order), tiles * section):
+        blocks = order[first : first + tiles * section]
+        assert [t for t, _, _ in blocks] == sorted(t for t, _, _ in blocks)
+        pairs = {(b, h) for _, h, b in blocks}
+        kv_groups = {(b, h // group) for b, h in pairs}
+        assert len(pairs) == section == group * len(kv_groups)
+    smaller = [n for n in range(group, section, group) if batch * heads % n == 0]
+    assert all(n * tiles < 2 * SMS for n in smaller)
+    assert section * tiles >= 2 * SMS or section == batch * heads
 
 
 LOWERED = [  # (D, causal, window, soft_cap, Tq, Tk, Hq, Hkv, dtype)

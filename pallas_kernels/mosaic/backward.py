@@ -46,6 +46,7 @@ from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
+    Launch,
     Tile,
     clip,
     consumer_steps,
@@ -199,7 +200,7 @@ def _store(tile: Tile, pairs, tail_refs, at, tail_at):
 
 
 def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap, scale, group,
-               stages, block_kv):  # fmt: skip
+               launch, stages, block_kv):  # fmt: skip
     # q, do [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; lse (base 2), delta [B, Hq, Tq] float32;
     # with lengths, lengths [2, B] int32; dq [B, Tq, Hq, D]. Packed (B = 1): the query
     # tiles' table instead of the lengths, and after dq its tails [2S, 128, Hq, D].
@@ -214,10 +215,10 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
     num_blocks = pl.cdiv(kv_rows, block_kv)
-    h, wg = lax.axis_index("heads"), lax.axis_index("wg")
-    last_first = q_rows // (CONSUMERS * _ROWS) if causal else None  # most keys first
-    tile = block_tile(lengths_ref, packed=packed, rows=CONSUMERS * _ROWS, q_rows=q_rows,
-                      kv_rows=kv_rows, last_first=last_first)  # fmt: skip
+    t, h, b = launch.place()
+    wg = lax.axis_index("wg")
+    tile = block_tile(lengths_ref, t, b, packed=packed, rows=CONSUMERS * _ROWS, q_rows=q_rows,
+                      kv_rows=kv_rows, last_first=causal)  # fmt: skip
     b, seq = tile.batch, tile.seq
     q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
     kvh = h // group
@@ -308,7 +309,7 @@ def _dq_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap
 
 
 def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_cap, scale,
-                 group, stages, block_q):  # fmt: skip
+                 group, launch, stages, block_q):  # fmt: skip
     # The dQ kernel's inputs (and lengths, or packed the key tiles' table); dk, dv
     # [B, Tk, Hkv, D] (packed: then their tails [2S, key_tile_rows(D), Hkv, D]).
     inputs, lengths_ref, (dk_ref, dv_ref, *tail_refs, smem, barriers) = split_refs(
@@ -323,10 +324,11 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
     kv_rows = k_ref.shape[1]
     dtype = q_ref.dtype
     num_blocks = pl.cdiv(q_rows, block_q)
-    kvh, wg = lax.axis_index("heads"), lax.axis_index("wg")
+    t, kvh, b = launch.place()
+    wg = lax.axis_index("wg")
     split = head_dim > _HALF
-    tile = block_tile(lengths_ref, packed=packed, rows=key_tile_rows(head_dim), q_rows=q_rows,
-                      kv_rows=kv_rows)  # fmt: skip
+    tile = block_tile(lengths_ref, t, b, packed=packed, rows=key_tile_rows(head_dim),
+                      q_rows=q_rows, kv_rows=kv_rows)  # fmt: skip
     b, seq = tile.batch, tile.seq
     q_len, offset, kv_limit = seq.q_len, seq.offset, seq.kv_limit
     # Packed: the query blocks hold the neighbours' rows, whose lse is finite: masked.
@@ -603,8 +605,11 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
         return () if x is None else (x,)
 
     bk, dq_stages = config.block_kv_dq, config.dq_stages(head_dim)
+    dq_launch = Launch(num_q_heads, *grids[0], group=opts["group"])
     dq = plgpu.kernel(
-        functools.partial(_dq_kernel, block_kv=bk, **{**opts, "stages": dq_stages}),
+        functools.partial(
+            _dq_kernel, block_kv=bk, launch=dq_launch, **{**opts, "stages": dq_stages}
+        ),
         out_type=out_types(q, 1, config.rows),
         scratch_types=(
             (
@@ -622,8 +627,7 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=dq_stages),
             ),
         ),
-        grid=(num_q_heads, *grids[0]),
-        grid_names=("heads", "tiles", "batch"),
+        **dq_launch.grid(),
         **common,
     )(*inputs, *aux(dq_aux))
 
@@ -632,8 +636,9 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
     held, ring = ((2, _ROWS, _HALF), (stages, 2, bq, _HALF)) if split else (
         (CONSUMERS, _ROWS, head_dim), (stages, bq, head_dim))  # fmt: skip
     done = (plgpu.Barrier(num_arrivals=CONSUMERS),) if split else ()  # both consumers' last step
+    dkdv_launch = Launch(num_kv_heads, *grids[1])
     dkdv = plgpu.kernel(
-        functools.partial(_dkdv_kernel, block_q=bq, **opts),
+        functools.partial(_dkdv_kernel, block_q=bq, launch=dkdv_launch, **opts),
         out_type=out_types(k, 2, key_tile_rows(head_dim)),
         scratch_types=(
             (
@@ -651,8 +656,7 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
                 *done,
             ),
         ),
-        grid=(num_kv_heads, *grids[1]),
-        grid_names=("heads", "tiles", "batch"),
+        **dkdv_launch.grid(),
         **common,
     )(*inputs, *aux(dkdv_aux))
     if packed:

@@ -49,6 +49,7 @@ from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
+    Launch,
     clip,
     consumer_steps,
     floor_div,
@@ -136,7 +137,7 @@ def _kernel(
     soft_cap: float | None,
     scale: float,
     group: int,
-    num_tiles: int,
+    launch: Launch,
     config: MosaicForwardConfig,
 ):
     # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
@@ -155,13 +156,13 @@ def _kernel(
     num_blocks = pl.cdiv(kv_rows, block_kv)
     ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
 
-    tile = block_tile(lengths_ref, packed=packed, rows=config.rows, q_rows=q_rows,
-                      kv_rows=kv_rows, last_first=num_tiles if causal else None)  # fmt: skip
+    t, h, b = launch.place()
+    tile = block_tile(lengths_ref, t, b, packed=packed, rows=config.rows, q_rows=q_rows,
+                      kv_rows=kv_rows, last_first=causal)  # fmt: skip
     b = tile.batch
     seq = tile.seq
     q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
     mask_needed = causal or window is not None or ragged
-    h = lax.axis_index("heads")
     kvh = h // group
     wg = lax.axis_index("wg")
 
@@ -462,12 +463,14 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # V slot consumed
         plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
     )
+    group = num_q_heads // num_kv_heads
+    launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
     kernel = functools.partial(
         _kernel,
         has_lengths=lengths is not None and not packed,
         packed=packed,
-        group=num_q_heads // num_kv_heads,
-        num_tiles=grid[0],
+        group=group,
+        launch=launch,
         config=config,
         **options,
     )
@@ -484,8 +487,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         kernel,
         out_type=tuple(out_type),
         scratch_types=(smem, barriers),
-        grid=(num_q_heads, *grid),
-        grid_names=("heads", "tiles", "batch"),
+        **launch.grid(),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

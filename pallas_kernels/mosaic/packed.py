@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels.batch import Batch
 from pallas_kernels.mosaic.common import Sequence, Tile, dense_tile
@@ -129,17 +128,16 @@ def tile_table(batch, block: int, num_rows: int, *, causal, window, sink_tokens:
     return jnp.concatenate([table, extra], axis=1)
 
 
-def block_tile(lengths_ref, *, packed: bool, rows: int, q_rows: int, kv_rows: int,
-               last_first=None) -> Tile:  # fmt: skip
-    """This block's tile (grid axis "tiles"): a packed batch's from its table (`lengths_ref`,
-    heaviest first), a dense one's from the grid, `rows` rows a tile, the lengths (or
-    None) from `lengths_ref`; `last_first`: the dense tile count, launched last tile first
-    (causal query tiles: the last see the most keys)."""
-    t = lax.axis_index("tiles")
+def block_tile(lengths_ref, t, b, *, packed: bool, rows: int, q_rows: int, kv_rows: int,
+               last_first: bool = False) -> Tile:  # fmt: skip
+    """Tile `t` of sequence `b` (`Launch.place`): a packed batch's from its table
+    (`lengths_ref`, heaviest first), a dense one's `rows` rows from `t * rows`, with the
+    lengths (or None) from `lengths_ref`; `last_first`: dense tiles numbered from the
+    last (causal query tiles: the last see the most keys)."""
     if packed:
         return _packed_tile(lengths_ref, t)
-    t = t if last_first is None else last_first - 1 - t
-    return dense_tile(lengths_ref, lax.axis_index("batch"), t * rows, q_rows, kv_rows)
+    t = q_rows // rows - 1 - t if last_first else t
+    return dense_tile(lengths_ref, b, t * rows, q_rows, kv_rows)
 
 
 def _packed_tile(table_ref, t) -> Tile:
