@@ -39,10 +39,12 @@ from bench.common import (
 )
 
 # Triton: block_q x block_kv x num_warps x num_stages; Hopper: "mosaic:" block_q (per
-# consumer warpgroup) x block_kv x num_stages. The first of each is the heuristic for bf16
-# D 128, timed again so that the sweep shows its own noise.
+# consumer warpgroup) x block_kv x num_stages (a trailing "p": persistent). The first of
+# each is the heuristic for bf16 D 128, timed again so that the sweep shows its own noise.
 DEFAULT_SWEEP = (
+    "mosaic:64x128x2p",
     "mosaic:64x128x2",
+    "mosaic:64x192x2",
     "mosaic:64x64x2",
     "mosaic:64x64x3",
     "mosaic:64x64x4",
@@ -238,12 +240,14 @@ def padded_qkv_sets(sets: Sequence[tuple], lengths: Sequence[int], heads: Heads,
 def parse_config(spec: str):
     """A FlashPrefillConfig forcing one backend: "block_q x block_kv x num_warps x
     num_stages" for the Triton kernel ("128x64x8x3"), "mosaic:" block_q x block_kv x
-    num_stages for the Hopper kernel ("mosaic:64x128x2")."""
+    num_stages for the Hopper kernel ("mosaic:64x128x2"; a trailing "p": persistent)."""
     from jaxattn import FlashPrefillConfig, MosaicForwardConfig
 
     if spec.startswith("mosaic:"):
-        block_q, block_kv, num_stages = (int(x) for x in spec.removeprefix("mosaic:").split("x"))
-        tiling = MosaicForwardConfig(block_q, block_kv, num_stages)
+        tiles = spec.removeprefix("mosaic:")
+        persistent = tiles.endswith("p")
+        block_q, block_kv, num_stages = (int(x) for x in tiles.removesuffix("p").split("x"))
+        tiling = MosaicForwardConfig(block_q, block_kv, num_stages, persistent)
         return FlashPrefillConfig(backend="mosaic", mosaic=tiling)
     block_q, block_kv, num_warps, num_stages = (int(x) for x in spec.split("x"))
     return FlashPrefillConfig(block_q, block_kv, num_warps, num_stages, backend="triton")
@@ -254,7 +258,8 @@ def config_label(config) -> str:
     triton = f"{config.block_q}x{config.block_kv}x{config.num_warps}x{config.num_stages}"
     tiling = config.mosaic
     mosaic = "mosaic" if tiling is None else (
-        f"mosaic:{tiling.block_q}x{tiling.block_kv}x{tiling.num_stages}")  # fmt: skip
+        f"mosaic:{tiling.block_q}x{tiling.block_kv}x{tiling.num_stages}"
+        + ("p" if tiling.persistent else ""))  # fmt: skip
     return backend_label(config, triton, mosaic)
 
 

@@ -30,7 +30,7 @@ from pallas_kernels.mosaic import (
     select_forward,
 )
 from pallas_kernels.mosaic.common import SMS, Launch, consumer_steps, key_ring
-from pallas_kernels.mosaic.forward import block_range, key_blocks
+from pallas_kernels.mosaic.forward import block_range, key_blocks, persistent_blocks
 
 ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
     "9."
@@ -138,6 +138,13 @@ def test_config_validation():
     for bad in (dict(block_q=128), dict(block_kv=96), dict(num_stages=1), dict(num_stages=5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             MosaicForwardConfig(**bad)
+    assert MosaicForwardConfig(block_kv=192).fits(128)
+    assert MosaicForwardConfig.heuristic(128).persistent and MosaicForwardConfig.heuristic(
+        128
+    ).fits(128)
+    assert not MosaicForwardConfig.heuristic(256).persistent
+    assert MosaicForwardConfig.heuristic(256).fits(256)
+    assert not MosaicForwardConfig(64, 192, 2, persistent=True).fits(128)  # O tiles: no room
     huge = MosaicForwardConfig(block_kv=128, num_stages=4)
     assert "shared memory" in forward_unsupported(
         (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False,
@@ -312,6 +319,40 @@ def test_launch_order(shape):
     smaller = [n for n in range(group, section, group) if batch * heads % n == 0]
     assert all(n * tiles < 2 * SMS for n in smaller)
     assert section * tiles >= 2 * SMS or section == batch * heads
+    # A persistent kernel's blocks walk the same order by its index.
+    walked = launch.item(jnp.arange(launch.items, dtype=jnp.int32))
+    assert list(zip(*(np.asarray(x).tolist() for x in walked), strict=True)) == order
+
+
+def test_persistent_blocks():
+    """One block per SM for a persistent config over alike tiles of more than one wave;
+    else a block per tile."""
+    config, plain = MosaicForwardConfig.heuristic(128), MosaicForwardConfig()
+    many, few = Launch(32, 32, 1, 4), Launch(4, 8, 2, 2)  # 1024 and 64 tiles
+    assert persistent_blocks(config, many, True, sms=132) == 132
+    assert persistent_blocks(config, many, True, sms=114) == 114
+    assert persistent_blocks(config, many, False, sms=132) == 0  # causal, lengths, ...
+    assert persistent_blocks(plain, many, True, sms=132) == 0
+    assert persistent_blocks(config, few, True, sms=132) == 0  # one wave
+    assert persistent_blocks(config, many, True, sms=0) == 0  # count unknown
+
+
+def test_persistent_kernel_lowers_for_cuda(monkeypatch):
+    """The persistent form traces and lowers, with O's own tiles in shared memory."""
+    from pallas_kernels.mosaic import forward
+
+    calls = []
+
+    def blocks(config, launch, alike, sms=None):
+        calls.append(persistent_blocks(config, launch, alike, sms=132))
+        return calls[-1]
+
+    monkeypatch.setattr(forward, "persistent_blocks", blocks)
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 4160, 2, 128), jnp.bfloat16)  # a last block of 64 keys
+    fn = functools.partial(mosaic_forward, scale=0.1)
+    text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and calls == [132]
 
 
 LOWERED = [  # (D, causal, window, soft_cap, Tq, Tk, Hq, Hkv, dtype)
@@ -349,6 +390,8 @@ KERNEL_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
     (1, 512, 192, 4, 2, 256, True, None, None),  # warpgroup 0 sees no key, 1 does
     (1, 512, 256, 4, 2, 128, False, 64, None),  # window, Tq > Tk, not causal
     (1, 256, 256, 4, 2, 128, True, 1, None),  # window 1: each row its own key
+    (1, 256, 320, 4, 2, 128, False, None, None),  # Tk past the last full block: masked
+    (1, 256, 448, 4, 2, 64, True, None, 20.0),
 ]
 LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -371,18 +414,52 @@ def test_kernel_matches_oracle(case, dtype):
     util.assert_zero_rows(out, np.isneginf(want_lse).transpose(0, 2, 1)[..., None], "keyless rows")
 
 
+TILINGS = [MosaicForwardConfig(64, 64, n) for n in (2, 3, 4)] + [
+    MosaicForwardConfig(64, 128, 3),
+    MosaicForwardConfig(64, 192, 2),  # 512 keys: two blocks of 192 and one of 128
+]
+
+
 @hopper_only
-@pytest.mark.parametrize("config", [MosaicForwardConfig(64, 64, n) for n in (2, 3, 4)])
-def test_kernel_tilings(config):
-    rng = util.rng_for("mosaic tilings", config)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("config", TILINGS, ids=str)
+def test_kernel_tilings(config, causal):
+    rng = util.rng_for("mosaic tilings", config, causal)
     q = util.randn(rng, (1, 512, 4, 128), "bfloat16")
     k, v = (util.randn(rng, (1, 512, 2, 128), "bfloat16") for _ in range(2))
-    out, lse = mosaic_forward(q, k, v, causal=True, scale=0.1, config=config)
+    out, lse = mosaic_forward(q, k, v, causal=causal, scale=0.1, config=config)
     args = [util.f64(x) for x in (q, k, v)]
-    want, want_lse = attention_oracle(*args, causal=True, scale=0.1)
-    lowp_ref, _ = attention_oracle(*args, causal=True, scale=0.1, lowp=ml_dtypes.bfloat16)
+    want, want_lse = attention_oracle(*args, causal=causal, scale=0.1)
+    lowp_ref, _ = attention_oracle(*args, causal=causal, scale=0.1, lowp=ml_dtypes.bfloat16)
     util.assert_out_close(out, want, "bfloat16", lowp_ref=lowp_ref)
     util.assert_lse_close(lse, want_lse, "bfloat16")
+
+
+PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap): more tiles than SMs
+    (1, 2560, 2560, 8, 2, 128, None),  # 160 tiles
+    (2, 1024, 1536, 16, 4, 64, 30.0),  # 256 tiles over two sequences
+    (1, 4096, 4160, 9, 3, 128, None),  # 288 tiles (2 or 3 a block); a last block of 64 keys
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_persistent_matches_per_tile(case):
+    """The persistent form computes each tile as the per-tile launch does (which the
+    oracle tests check): bit for bit, out and lse, whichever block takes the tile."""
+    b, tq, tk, hq, hkv, d, cap = case
+    rng = util.rng_for("mosaic persistent", case)
+    q = util.randn(rng, (b, tq, hq, d), "bfloat16")
+    k, v = (util.randn(rng, (b, tk, hkv, d), "bfloat16") for _ in range(2))
+    persistent = MosaicForwardConfig.heuristic(d)
+    launch = Launch(hq, tq // persistent.rows, b, hq // hkv)
+    assert persistent.persistent and persistent_blocks(persistent, launch, True) > 0
+    per_tile = dataclasses.replace(persistent, persistent=False)
+    fn = functools.partial(mosaic_forward, soft_cap=cap, scale=d**-0.5)
+    got = jax.jit(functools.partial(fn, config=persistent))(q, k, v)
+    want = jax.jit(functools.partial(fn, config=per_tile))(q, k, v)
+    for x, y, name in zip(got, want, ("out", "lse"), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
 @hopper_only

@@ -93,6 +93,18 @@ class Launch:
         return dict(grid=(sections, self.tiles, self.section),
                     grid_names=("section", "tiles", "member"))  # fmt: skip
 
+    @property
+    def items(self) -> int:
+        """Blocks of the grid: tiles of every pair."""
+        return self.tiles * self.heads * self.batch
+
+    def item(self, i):
+        """(tile, head, batch index) of the i-th block of the launch order (int32; a
+        persistent kernel's blocks walk it)."""
+        per_section = self.tiles * self.section
+        section, rest = lax.div(i, per_section), lax.rem(i, per_section)
+        return self.unravel(section, lax.div(rest, self.section), lax.rem(rest, self.section))
+
     def place(self):
         """(tile, head, batch index) of the running block (inside the kernel)."""
         names = ("section", "tiles", "member")

@@ -7,6 +7,7 @@ import dataclasses
 BACKENDS = ("auto", "triton", "mosaic")  # the values of the configs' `backend` fields
 _SMEM_BYTES = 227 * 1024  # shared memory a block may hold on sm90
 CONSUMERS = 2  # compute warpgroups per block (plus one producer)
+KEY_ROWS = 64  # the forward's Tk is a multiple of this (not necessarily of block_kv)
 # The backward's head dims above this split the dK/dV block's columns between its two
 # consumers, which then hold the same 64 keys (`backward.py`).
 SPLIT_HEAD_DIM = 128
@@ -26,19 +27,28 @@ class MosaicForwardConfig:
       block_q: query rows per consumer warpgroup: 64 (wgmma's M; a block holds two
         consumer warpgroups, so it covers 128 rows; 128 rows per warpgroup would hold two
         128-column float32 tiles, more than a consumer's registers).
-      block_kv: keys per step of the TMA ring: 64 or 128 (the sizes tested on the GPU).
+      block_kv: keys per step of the TMA ring: 64, 128 or 192 (wgmma contracts P V over
+        multiples of 64 keys). Tk need not be a multiple: the last block's keys past Tk
+        are masked (its TMA copy reads zeros there).
       num_stages: slots of the ring, 2 to 4: K/V blocks in flight ahead of the consumers.
+      persistent: calls whose tiles are all alike (no causal mask, window, lengths or
+        packing) run one block per SM, each walking its share of the tiles: the producer
+        loads the next tile's keys and values under this tile's last steps, and each
+        consumer its next Q, and O leaves through a buffer of its own (one more Q-sized
+        tile of shared memory). Other calls, and grids of at most one wave, launch a
+        block per tile, which the GPU hands out as SMs free up (causal tiles differ).
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
+    persistent: bool = False
 
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"MosaicForwardConfig: block_q={self.block_q} must be 64")
-        if self.block_kv not in (64, 128):
-            raise ValueError(f"MosaicForwardConfig: block_kv={self.block_kv} not in (64, 128)")
+        if self.block_kv not in (64, 128, 192):
+            raise ValueError(f"MosaicForwardConfig: block_kv={self.block_kv} not in (64, 128, 192)")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"MosaicForwardConfig: num_stages={self.num_stages} not in 2..4")
 
@@ -48,8 +58,9 @@ class MosaicForwardConfig:
         return CONSUMERS * self.block_q
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of a block: the two Q/O tiles, the K and V ring, the lse rows."""
-        q = self.rows * head_dim * itemsize
+        """Shared memory of a block: the two Q/O tiles (and persistent, the two O tiles),
+        the K and V ring, the lse rows."""
+        q = (2 if self.persistent else 1) * self.rows * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
         return q + ring + self.rows * 4
 
@@ -59,8 +70,17 @@ class MosaicForwardConfig:
     @classmethod
     def heuristic(cls, head_dim: int) -> MosaicForwardConfig:
         """128-key steps in two stages for head dims up to 128 (160 KiB of shared memory
-        at D128); 64-key steps for D256 (192 KiB)."""
-        return cls(block_q=64, block_kv=64 if head_dim > 128 else 128, num_stages=2)
+        at D128, 192 KiB persistent); 64-key steps for D256 (192 KiB). Persistent up to
+        D128 (at D256 the O tiles do not fit).
+
+        Measured on an H100 (jax 0.11.2, bf16 GQA 32/8, full attention, 2026-11-26,
+        `bench/HISTORY.md`): persistent against a block per tile, B1 S4096 0.473 / 0.477
+        ms, B8 S2048 0.958 / 1.030, B1 S8192 1.84 / 1.86, B1 S16384 7.35 / 7.32, D64 B1
+        S4096 0.312 / 0.320. 192-key steps ran B1 S16384 3% faster than 128 (7.10 ms) and
+        Tk 4224 (22 blocks of 192) 6%, but B1 S4096 3% slower (its last block a third
+        full) and causal rows 5-46% slower: not chosen here.
+        """
+        return cls(64, 64 if head_dim > 128 else 128, 2, persistent=head_dim <= 128)
 
 
 @dataclasses.dataclass(frozen=True)

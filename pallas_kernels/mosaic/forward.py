@@ -37,6 +37,7 @@ What runs here and what falls back to the Triton kernel is decided by
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,9 @@ from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
+    KeyRing,
     Launch,
+    Tile,
     clip,
     consumer_steps,
     floor_div,
@@ -65,7 +68,7 @@ from pallas_kernels.mosaic.common import (
     visible,
     zero_padding,
 )
-from pallas_kernels.mosaic.config import MosaicForwardConfig
+from pallas_kernels.mosaic.config import KEY_ROWS, MosaicForwardConfig
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
     block_tile,
@@ -127,6 +130,18 @@ def key_blocks(first_row, rows: int, *, q_len, offset, kv_len, kv_first=None, **
     return block_range(first, last, kv_len=kv_len, kv_first=kv_first, **range_options)
 
 
+class _Work(NamedTuple):
+    """One query tile's work: where it is (`tile`, query head `h`, kv head `kvh`), the
+    key count past which keys are masked (`kv_limit`, or None) and the key blocks its
+    producer loads (`ring`)."""
+
+    tile: Tile
+    h: object
+    kvh: object
+    kv_limit: object
+    ring: KeyRing
+
+
 def _kernel(
     *refs,
     has_lengths: bool,
@@ -138,16 +153,19 @@ def _kernel(
     scale: float,
     group: int,
     launch: Launch,
+    persistent: int,
     config: MosaicForwardConfig,
 ):
     # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
     # (`sequence_lengths`); out [B, Tq, Hq, D]; lse [B, Hq, Tq] float32, natural log.
     # Packed (B = 1): the tile table instead of the lengths (`packed.tile_table`), and
     # after out and lse their tails [2S, rows, Hq, D] and [2S, Hq, rows] (`packed.py`).
+    # `persistent` (> 0): that many blocks, block p taking the tiles p, p + persistent, ...
+    # of the launch order (tiles all alike: `persistent_blocks`); 0: a block per tile.
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
-    qo_smem2, k_smem, v_smem, lse_smem2 = smem
+    qo_smem2, k_smem, v_smem, lse_smem2, *o_smem2 = smem
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
     _, q_rows, _, head_dim = q_ref.shape
@@ -155,28 +173,35 @@ def _kernel(
     dtype = q_ref.dtype
     num_blocks = pl.cdiv(kv_rows, block_kv)
     ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
-
-    t, h, b = launch.place()
-    tile = block_tile(lengths_ref, t, b, packed=packed, rows=config.rows, q_rows=q_rows,
-                      kv_rows=kv_rows, last_first=causal)  # fmt: skip
-    b = tile.batch
-    seq = tile.seq
-    q_len, offset, kv_limit, kv_first = seq.q_len, seq.offset, seq.kv_limit, seq.kv_first
-    mask_needed = causal or window is not None or ragged
-    kvh = h // group
+    # The last block runs past Tk (Tk not a multiple of block_kv): masked there.
+    ragged_end = not ragged and kv_rows % block_kv != 0
+    mask_needed = causal or window is not None or ragged or ragged_end
     wg = lax.axis_index("wg")
+    if persistent:
+        p = lax.axis_index("blocks")
+        count = lax.div(launch.items - 1 - p, persistent) + 1  # this block's tiles
 
-    def rows_of(consumer):  # first query row of a consumer warpgroup, in its sequence
+        def item(k):  # this block's k-th tile in the launch order
+            return launch.item(p + k * persistent)
+
+    def work_of(place) -> _Work:
+        t, h, b = place
+        tile = block_tile(lengths_ref, t, b, packed=packed, rows=config.rows, q_rows=q_rows,
+                          kv_rows=kv_rows, last_first=causal)  # fmt: skip
+        kv_limit = kv_rows if ragged_end else tile.seq.kv_limit
+        ring = key_ring(functools.partial(blocks_of, tile, kv_limit), window=window,
+                        sink_tokens=sink_tokens, block_kv=block_kv,
+                        kv_first=tile.seq.kv_first)  # fmt: skip
+        return _Work(tile, h, h // group, kv_limit, ring)
+
+    def rows_of(tile, consumer):  # first query row of a consumer warpgroup, in its sequence
         return tile.row + consumer * block_q
 
-    def blocks_of(consumer):
-        return key_blocks(rows_of(consumer), block_q, q_len=q_len, offset=offset,
-                          kv_len=kv_limit, kv_first=kv_first, causal=causal, window=window,
-                          num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
-
-    # The producer loads the union of both consumers' blocks (and the sinks below them).
-    ring = key_ring(blocks_of, window=window, sink_tokens=sink_tokens, block_kv=block_kv,
-                    kv_first=kv_first)  # fmt: skip
+    def blocks_of(tile, kv_limit, consumer):
+        seq = tile.seq
+        return key_blocks(rows_of(tile, consumer), block_q, q_len=seq.q_len, offset=seq.offset,
+                          kv_len=kv_limit, kv_first=seq.kv_first, causal=causal,
+                          window=window, num_blocks=num_blocks, block_kv=block_kv)  # fmt: skip
 
     def schedule_turn():  # FA3 section 3.2: consumers take turns on the tensor cores
         plgpu.barrier_arrive(schedule)
@@ -185,148 +210,195 @@ def _kernel(
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-        first_row = rows_of(wg)
-        my_lo, my_hi, full_lo, full_hi = consumer_steps(ring, blocks_of(wg))
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[b, pl.ds(tile.q_base + first_row, block_q), h], qo_smem, q_barriers.at[wg]
-        )
-        plgpu.barrier_wait(q_barriers.at[wg])
+        q_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+        # Persistent blocks stage O apart from Q, whose next tile then loads under the
+        # last steps and the epilogue of this one; else O goes out through Q's buffer.
+        o_smem = o_smem2[0].at[wg] if persistent else q_smem
 
-        wgmma_layout = plgpu.Layout.WGMMA
-        row_layout = wgmma_layout.reduce(1)
-        m = plgpu.layout_cast(jnp.full((block_q,), _NO_KEY, jnp.float32), row_layout)
-        l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+        def load_q(w: _Work):
+            rows = pl.ds(w.tile.q_base + rows_of(w.tile, wg), block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[w.tile.batch, rows, w.h], q_smem, q_barriers.at[wg])
 
-        def pass_over(step, _):
-            """A block this consumer does not need: keep the barriers' phases in step."""
-            slot = slot_of(step, stages)
-            plgpu.barrier_wait(k_loaded.at[slot])
-            plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            schedule_turn()
-            schedule_turn()
+        def attend(w: _Work, base, *, opening, closing, next_q=None):
+            """Tile `w`'s rows of this consumer, its ring steps at `base + step` in the
+            slots; `next_q()` loads the next tile's Q once this one's last S GEMM is done.
+            `opening` / `closing` (bools, or traced): the block's first / last tile, where
+            consumer 1 takes the extra turn that starts the ping-pong and consumer 0 the
+            one that ends it."""
+            tile, ring, kv_limit, seq = w.tile, w.ring, w.kv_limit, w.tile.seq
+            first_row = rows_of(tile, wg)
+            bounds = blocks_of(tile, kv_limit, wg)
+            my_lo, my_hi, full_lo, full_hi = consumer_steps(ring, bounds)
+            plgpu.barrier_wait(q_barriers.at[wg])
 
-        def logits(qk, step, masked: bool):
-            if soft_cap is None:
-                s = qk * (scale * LOG2E)
-            else:
-                s = (soft_cap * LOG2E) * jnp.tanh(qk * (scale / soft_cap))
-            if not masked or not mask_needed:
-                return s
-            shape = (block_q, block_kv)
-            r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
-            j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
-            pos = r + (first_row + offset)
-            key = j + ring.block(step) * block_kv
-            seen = visible(pos, key, causal=causal, window=window, kv_len=kv_limit,
-                           kv_first=kv_first, sink_tokens=sink_tokens)  # fmt: skip
-            return jnp.where(seen, s, MASK_VALUE)
+            wgmma_layout = plgpu.Layout.WGMMA
+            row_layout = wgmma_layout.reduce(1)
+            m = plgpu.layout_cast(jnp.full((block_q,), _NO_KEY, jnp.float32), row_layout)
+            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
 
-        def softmax(qk, step, masked: bool, m, l):
-            """Online softmax in base 2 of one S tile: (m, alpha, p, l) after it."""
-            if soft_cap is None and scale > 0 and not (masked and mask_needed):
-                c = scale * LOG2E  # max(c * qk) = c * max(qk): one FMA per logit below
-                m_new = jnp.maximum(m, qk.max(axis=1) * c)
-                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-            else:
-                s = logits(qk, step, masked)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            alpha = jnp.exp2(m - m_new)
-            return m_new, alpha, p, l * alpha + p.sum(axis=1)
-
-        def step_body(step, carry, *, masked: bool):
-            """One key block: S = Q K^T, softmax, O += P V, the GEMMs in turn."""
-            acc, m, l = carry
-            slot = slot_of(step, stages)
-
-            def qk_gemm(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            def pass_over(step, _):
+                """A block this consumer does not need: keep the barriers' phases in step."""
+                slot = slot_of(base + step, stages)
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
                 schedule_turn()
-                return acc_ref[...]
+                schedule_turn()
 
-            qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            m_new, alpha, p, l = softmax(qk, step, masked, m, l)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(schedule)  # softmax done
-            plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_wait(schedule)  # the tensor cores are ours
+            def logits(qk, step, masked: bool):
+                if soft_cap is None:
+                    s = qk * (scale * LOG2E)
+                else:
+                    s = (soft_cap * LOG2E) * jnp.tanh(qk * (scale / soft_cap))
+                if not masked or not mask_needed:
+                    return s
+                shape = (block_q, block_kv)
+                r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+                j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+                pos = r + (first_row + seq.offset)
+                key = j + ring.block(step) * block_kv
+                seen = visible(pos, key, causal=causal, window=window, kv_len=kv_limit,
+                               kv_first=seq.kv_first, sink_tokens=sink_tokens)  # fmt: skip
+                return jnp.where(seen, s, MASK_VALUE)
 
-            def pv_gemm(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                nxt = step + 1
+            def softmax(qk, step, masked: bool, m, l):
+                """Online softmax in base 2 of one S tile: (m, alpha, p, l) after it."""
+                if soft_cap is None and scale > 0 and not (masked and mask_needed):
+                    c = scale * LOG2E  # max(c * qk) = c * max(qk): one FMA per logit below
+                    m_new = jnp.maximum(m, qk.max(axis=1) * c)
+                    p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                else:
+                    s = logits(qk, step, masked)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2(m - m_new)
+                return m_new, alpha, p, l * alpha + p.sum(axis=1)
 
-                @pl.when(nxt < my_hi)
-                def _():  # FA3 section 3.3 in small: wait for the next K under this GEMM
-                    plgpu.barrier_wait(k_loaded.at[slot_of(nxt, stages)])
+            def step_body(step, carry, *, masked: bool):
+                """One key block: S = Q K^T, softmax, O += P V, the GEMMs in turn."""
+                acc, m, l = carry
+                slot = slot_of(base + step, stages)
 
-            acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_new, l
+                def qk_gemm(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    schedule_turn()
+                    return acc_ref[...]
 
-        lax.fori_loop(ring.first, my_lo, pass_over, None)
-        pl.when(wg == 1)(schedule_turn)
+                qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if next_q is not None:  # Q is read: the next tile's may land
+                    pl.when(step == my_hi - 1)(next_q)
+                m_new, alpha, p, l = softmax(qk, step, masked, m, l)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_loaded.at[slot])
+                plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
-        @pl.when(my_lo < my_hi)
-        def _():
-            plgpu.barrier_wait(k_loaded.at[slot_of(my_lo, stages)])
+                def pv_gemm(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = step + 1
 
-        masked = functools.partial(step_body, masked=True)
-        unmasked = functools.partial(step_body, masked=False)
-        carry = (acc, m, l)
-        carry = lax.fori_loop(my_lo, full_lo, masked, carry)
-        carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-        acc, m, l = lax.fori_loop(full_hi, my_hi, masked, carry)
-        pl.when(wg == 0)(schedule_turn)
-        lax.fori_loop(my_hi, ring.hi, pass_over, None)
+                    @pl.when(nxt < my_hi)
+                    def _():  # FA3 section 3.3 in small: wait for the next K under this GEMM
+                        plgpu.barrier_wait(k_loaded.at[slot_of(base + nxt, stages)])
 
-        seen = m > _NO_KEY  # rows that saw a key
-        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        if ragged:  # padding rows: zeros (their q may be anything, NaN included)
-            r = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=wgmma_layout)
-            real = r < q_len - first_row
-            out = jnp.where(real, out, 0.0)
-            seen = seen & (jnp.where(real, 1.0, 0.0).max(axis=1) > 0)
-        qo_smem[...] = out.astype(dtype)
-        lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-        plgpu.commit_smem()
+                acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l
 
-        def store(outs, lses, seq, rows):
-            plgpu.copy_smem_to_gmem(qo_smem, outs.at[seq, pl.ds(rows, block_q), h])
-            plgpu.copy_smem_to_gmem(lse_smem, lses.at[seq, h, pl.ds(rows, block_q)])
+            lax.fori_loop(ring.first, my_lo, pass_over, None)
+            pl.when((wg == 1) & opening)(schedule_turn)
 
-        if not packed:
-            store(out_ref, lse_ref, b, first_row)
-        else:  # in place, or (a tile cut by its sequence's start or end) into a tail
-            at_array = functools.partial(store, out_ref, lse_ref, b, tile.q_base + first_row)
-            at_tail = functools.partial(store, *tail_refs, tile.store, wg * block_q)
-            pl.when(tile.store == IN_PLACE)(at_array)
-            pl.when(tile.store >= 0)(at_tail)
+            @pl.when(my_lo < my_hi)
+            def _():
+                plgpu.barrier_wait(k_loaded.at[slot_of(base + my_lo, stages)])
+
+            masked = functools.partial(step_body, masked=True)
+            unmasked = functools.partial(step_body, masked=False)
+            carry = (acc, m, l)
+            carry = lax.fori_loop(my_lo, full_lo, masked, carry)
+            carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+            acc, m, l = lax.fori_loop(full_hi, my_hi, masked, carry)
+            pl.when((wg == 0) & closing)(schedule_turn)
+            lax.fori_loop(my_hi, ring.hi, pass_over, None)
+
+            seen = m > _NO_KEY  # rows that saw a key
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            if ragged:  # padding rows: zeros (their q may be anything, NaN included)
+                r = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=wgmma_layout)
+                real = r < seq.q_len - first_row
+                out = jnp.where(real, out, 0.0)
+                seen = seen & (jnp.where(real, 1.0, 0.0).max(axis=1) > 0)
+            if persistent:  # the last tile's stores have read their buffers
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = out.astype(dtype)
+            lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+
+            def store(outs, lses, seq, rows):
+                plgpu.copy_smem_to_gmem(o_smem, outs.at[seq, pl.ds(rows, block_q), w.h])
+                plgpu.copy_smem_to_gmem(lse_smem, lses.at[seq, w.h, pl.ds(rows, block_q)])
+
+            if not packed:
+                store(out_ref, lse_ref, tile.batch, first_row)
+            else:  # in place, or (a tile cut by its sequence's start or end) into a tail
+                at_array = functools.partial(
+                    store, out_ref, lse_ref, tile.batch, tile.q_base + first_row
+                )
+                at_tail = functools.partial(store, *tail_refs, tile.store, wg * block_q)
+                pl.when(tile.store == IN_PLACE)(at_array)
+                pl.when(tile.store >= 0)(at_tail)
+
+        if not persistent:
+            w = work_of(launch.place())
+            load_q(w)
+            attend(w, 0, opening=True, closing=True)
+        else:
+            load_q(work_of(item(0)))
+
+            @pl.loop(0, count)
+            def _(k):
+                def next_q():
+                    pl.when(k + 1 < count)(lambda: load_q(work_of(item(k + 1))))
+
+                attend(work_of(item(k)), k * num_blocks, opening=k == 0,
+                       closing=k == count - 1, next_q=next_q)  # fmt: skip
+
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        def load(step, wait: bool):
-            """K then V of block `step` into its slot, each copy once its own slot is free
-            (`wait`): the next K can land while the consumers still read this V."""
-            slot = slot_of(step, stages)
-            rows = (b, pl.ds(tile.k_base + ring.block(step) * block_kv, block_kv), kvh)
+        def load(w: _Work, base, step, wait: bool):
+            """K then V of ring step `step` of tile `w` into slot `base + step`, each copy
+            once its own slot is free (`wait`): the next K can land while the consumers
+            still read this V."""
+            slot = slot_of(base + step, stages)
+            keys = pl.ds(w.tile.k_base + w.ring.block(step) * block_kv, block_kv)
+            rows = (w.tile.batch, keys, w.kvh)
             for src, dst, loaded, consumed in ((k_ref, k_smem, k_loaded, k_consumed),
                                                (v_ref, v_smem, v_loaded, v_consumed)):  # fmt: skip
                 if wait:
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
-        produce(ring.first, ring.hi, stages, load)
+        if not persistent:
+            w = work_of(launch.place())
+            produce(w.ring.first, w.ring.hi, stages, functools.partial(load, w, 0))
+        else:  # every tile's ring is steps [0, num_blocks): one run of global steps
+
+            def load_global(g, wait: bool):
+                k = lax.div(g, num_blocks)
+                load(work_of(item(k)), k * num_blocks, g - k * num_blocks, wait)
+
+            produce(0, count * num_blocks, stages, load_global)
 
 
 _STATIC = ("causal", "window", "sink_tokens", "soft_cap", "scale", "config")
@@ -351,8 +423,9 @@ def mosaic_forward(
 
     Args:
       q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype,
-        `Hq % Hkv == 0`. D in (64, 128, 256); Tq a multiple of `config.rows`, Tk of
-        `config.block_kv` (`pallas_kernels.mosaic.support` checks all of this first).
+        `Hq % Hkv == 0`. D in (64, 128, 256); Tq a multiple of `config.rows`, Tk of 64
+        (not necessarily of `config.block_kv`: the last block's keys past Tk are
+        masked); `pallas_kernels.mosaic.support` checks all of this first.
       q_lengths, kv_lengths: int `[B]` or None (all rows), as `jaxattn.attention`'s:
         sequence b's real queries are its first `q_lengths[b]` rows, its keys the first
         `kv_lengths[b]`, and its query row r sits at position `r + kv_lengths[b] -
@@ -370,10 +443,10 @@ def mosaic_forward(
     batch, q_rows, _, head_dim = q.shape
     kv_rows = k.shape[1]
     config = config or MosaicForwardConfig.heuristic(head_dim)
-    if not q_rows or not kv_rows or q_rows % config.rows or kv_rows % config.block_kv:
+    if not q_rows or not kv_rows or q_rows % config.rows or kv_rows % KEY_ROWS:
         raise ValueError(
             f"mosaic_forward: {q.shape=}, {k.shape=}: Tq must be a positive multiple of "
-            f"{config.rows} and Tk of {config.block_kv} ({config})"
+            f"{config.rows} and Tk of {KEY_ROWS} ({config})"
         )
     lengths = sequence_lengths(q_lengths, kv_lengths, batch, q_rows, kv_rows)
     if lengths is not None:
@@ -465,12 +538,17 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     )
     group = num_q_heads // num_kv_heads
     launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
+    alike = lengths is None and not options["causal"] and options["window"] is None
+    blocks = persistent_blocks(config, launch, alike)
+    if blocks:  # O's own staging tiles
+        smem += (plgpu.SMEM((CONSUMERS, config.block_q, head_dim), dtype, transforms=tiled),)
     kernel = functools.partial(
         _kernel,
         has_lengths=lengths is not None and not packed,
         packed=packed,
         group=group,
         launch=launch,
+        persistent=blocks,
         config=config,
         **options,
     )
@@ -487,11 +565,25 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         kernel,
         out_type=tuple(out_type),
         scratch_types=(smem, barriers),
-        **launch.grid(),
+        **(dict(grid=(blocks,), grid_names=("blocks",)) if blocks else launch.grid()),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No cross-warp reductions (a row's sums stay in its warp): no scratch for them,
+        # which leaves room for 192-key blocks.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(*inputs)
+
+
+def persistent_blocks(config: MosaicForwardConfig, launch: Launch, alike: bool, sms=None) -> int:
+    """The blocks of a persistent launch (`MosaicForwardConfig.persistent`), one per SM
+    (`sms`; None: the default device's count); 0, a block per tile, when the config does
+    not ask, the tiles differ (`alike` False), they fit in one wave, or the SM count is
+    unknown."""
+    if not (config.persistent and alike):
+        return 0
+    if sms is None:
+        sms = getattr(jax.devices()[0], "core_count", 0)
+    return sms if 0 < sms < launch.items else 0
 
 
 __all__ = ["block_range", "key_blocks", "mosaic_forward", "mosaic_forward_packed"]

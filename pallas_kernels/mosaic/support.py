@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import use_interpret
-from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
+from pallas_kernels.mosaic.config import KEY_ROWS, MosaicBackwardConfig, MosaicForwardConfig
 from pallas_kernels.mosaic.packed import rows_unsupported
 
 HEAD_DIMS = (64, 128, 256)
@@ -100,8 +100,8 @@ def forward_unsupported(
     def dense_rows(q_rows, kv_rows):
         if q_rows % config.rows:
             return f"Tq={q_rows} not a multiple of {config.rows} (2 * block_q)"
-        if kv_rows % config.block_kv:
-            return f"Tk={kv_rows} not a multiple of block_kv={config.block_kv}"
+        if kv_rows % KEY_ROWS:
+            return f"Tk={kv_rows} not a multiple of {KEY_ROWS}"
         return None
 
     return _unsupported(q_shape, k_shape, dtype, config, packed, dense_rows, options)
