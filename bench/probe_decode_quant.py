@@ -12,7 +12,8 @@ under 250 us run chained over the query sets). One line per tiling, also appende
         --formats int8:D,float8_e4m3fn:D,int8:8 --tilings 64x2x3,128x4x3
 
 Shapes are BxCONTEXT; formats DTYPE (per tensor), DTYPE:GROUP (per group) or DTYPE:D (one
-group a row); tilings BLOCK_KVxWARPSxSTAGES, with the heuristic's split count.
+group a row); tilings BLOCK_KVxWARPSxSTAGES with the heuristic's split count, or
+BLOCK_KVxWARPSxSTAGESxSPLITS.
 """
 
 from __future__ import annotations
@@ -56,10 +57,9 @@ def _probe(args, log) -> None:
             chosen = default_decode_config(cache, batch, context)
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
-                block_kv, warps, stages = map(int, tiling.split("x"))
-                configs[tiling] = jaxattn.PagedDecodeConfig(
-                    block_kv, chosen.num_splits, warps, stages
-                )
+                block_kv, warps, stages, *splits = map(int, tiling.split("x"))
+                splits = splits[0] if splits else chosen.num_splits
+                configs[tiling] = jaxattn.PagedDecodeConfig(block_kv, splits, warps, stages)
             fns = {name: ours(c) for name, c in configs.items()}
             want = fns["heuristic"](*arg_sets[0]).astype(jnp.float32)
             measures = [op_measure(fn, arg_sets, warmup=3) for fn in fns.values()]

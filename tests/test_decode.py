@@ -171,23 +171,26 @@ def test_decode_heuristic_tilings(batch, context, want):
 
 
 @pytest.mark.parametrize(
-    "batch, context, code, want",
+    "batch, context, code, want, row_splits",
     [
-        (64, 16384, "int8", (128, 2, 4, 3)),  # at least two splits, 3 stages
-        (8, 8192, "int4", (128, 5, 4, 3)),
-        (256, 2048, "float8_e4m3fn", (128, 2, 4, 3)),
+        (64, 16384, "int8", (128, 2, 4, 3), 2),  # at least two splits, 3 stages
+        (8, 8192, "int4", (128, 4, 4, 3), 5),  # one wave of two programs an SM
+        (16, 8192, "int8", (128, 2, 4, 3), 3),
+        (2, 8192, "int8", (128, 16, 4, 3), 17),
+        (1, 2048, "int8", (128, 8, 4, 3), 8),  # each split at least two blocks
+        (256, 2048, "float8_e4m3fn", (128, 2, 4, 3), 2),
     ],
 )
-def test_decode_heuristic_tilings_quantized(batch, context, code, want):
-    """Quantized caches: 128-token blocks in 3 stages, split at least in two; INT8 with a
-    scale per token row: 64-token blocks in 2 warps."""
+def test_decode_heuristic_tilings_quantized(batch, context, code, want, row_splits):
+    """Quantized caches: 128-token blocks in 3 stages, split at least in two, into one
+    wave of two programs an SM; with a scale per token row about two programs an SM, and
+    INT8 then in 64-token blocks in 2 warps."""
     config = jaxattn.PagedDecodeConfig.heuristic(batch, 8, context, 16, sm_count=132, code=code)
     assert (config.block_kv, config.num_splits, config.num_warps, config.num_stages) == want
     rows = jaxattn.PagedDecodeConfig.heuristic(
         batch, 8, context, 16, sm_count=132, code=code, row_scales=True
     )
-    if code == "int8":
-        want = (64, want[1], 2, 3)
+    want = (64, row_splits, 2, 3) if code == "int8" else (*want[:1], row_splits, *want[2:])
     assert (rows.block_kv, rows.num_splits, rows.num_warps, rows.num_stages) == want
 
 

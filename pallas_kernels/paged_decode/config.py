@@ -87,7 +87,14 @@ class PagedDecodeConfig:
           64-token blocks in 2 warps, 9-13% faster (B64 ctx16384 0.965 against 1.109 ms,
           B8 ctx8192 0.097 against 0.107, B64 ctx2048 0.142 against 0.161); FP8 and INT4
           rows, and INT8 per tensor, ran slower so (probes of 2026-11-26 03:55 and 04:25
-          UTC).
+          UTC). Splits: as many as run two to an SM in one wave (two 128-token programs
+          of 3 stages fit an SM), not one more: B8 ctx8192 (64 programs) in 4 splits
+          against 5: INT8 per tensor 0.063 against 0.070 ms, groups of 8 0.088 against
+          0.119, INT4 0.046 against 0.049, INT4 groups of 32 0.061 against 0.065, FP8
+          groups of 32 0.080 against 0.081 (8-16 splits no better; probe of 06:15 UTC).
+          With one scale per token and head (`row_scales`) 4 splits ran slower (the
+          decode_quant run of 06:20 UTC: INT8 0.104 against 0.089 ms, FP8 0.080 against
+          0.077, INT4 0.059 against 0.054): those keep about two programs an SM.
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -101,7 +108,9 @@ class PagedDecodeConfig:
             splits = max(1, min(_RESIDENT_PER_SM * sm_count // programs, max_context // 128))
             return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
-        splits = max(-(-2 * sm_count // programs), 1 if code is None else 2)
+        splits = -(-2 * sm_count // programs)  # about two programs an SM
+        if code is not None:  # at least two; without row scales, no more than one wave
+            splits = max(splits if row_scales else 2 * sm_count // programs, 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
         if code == "int8" and row_scales:
             return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
