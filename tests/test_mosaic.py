@@ -274,6 +274,8 @@ def test_key_ring_covers_sinks(causal, window, sink_tokens, kv_len, kv_first):
             loaded = [int(ring.block(jnp.int32(s))) for s in range(first, hi)]
             assert len(set(loaded)) == len(loaded), loaded
             assert all(0 <= j < num_blocks for j in loaded), loaded
+            no_keys = kv_len is not None and kv_len == kv_first  # nothing to load or compute
+            assert not (no_keys and loaded), (tile_first, q_len, loaded)
             for c in range(2):
                 pos = np.arange(tile_first + c * rows, tile_first + (c + 1) * rows)
                 pos = pos[pos < q_len]
@@ -288,6 +290,7 @@ def test_key_ring_covers_sinks(causal, window, sink_tokens, kv_len, kv_first):
                 )
                 where = f"tile {tile_first} q_len {q_len} consumer {c}"
                 assert first <= my_lo <= full_lo <= full_hi <= my_hi <= hi, where
+                assert not (no_keys and my_hi > my_lo), where
                 computed = [int(ring.block(jnp.int32(s))) for s in range(my_lo, my_hi)]
                 assert needed <= set(computed), (where, needed - set(computed))
                 unmasked = [int(ring.block(jnp.int32(s))) for s in range(full_lo, full_hi)]

@@ -162,3 +162,19 @@ def jit_call(fn, *args, static: dict | None = None, **arrays):
     compile is ~10x cheaper."""
     static = static or {}
     return jax.jit(lambda args, arrays: fn(*args, **static, **arrays))(args, arrays)
+
+
+def weighted_grads(op, inputs, weight):
+    """(dq, dk, dv): `jax.grad` of `sum(op(q, k, v) * weight)` (in float32) under jit."""
+
+    def loss(q, k, v):
+        return jnp.sum(op(q, k, v).astype(jnp.float32) * weight.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*inputs)
+
+
+def assert_grads_near(got, want, tol: float):
+    """Each of (dq, dk, dv) `got` within `tol` (max abs difference) of `want`'s."""
+    for name, a, b in zip("qkv", got, want, strict=True):
+        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        assert err < tol, f"d{name}: {err}"

@@ -13,6 +13,16 @@ _BLOCKS = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
 _TRITON_FIELDS = (*_BLOCKS, "num_warps", "num_stages")  # None: the heuristic's
 
 
+def fill_tiles(config, fields, heuristic):
+    """`config` with each of its tile `fields` left None taken from the config that
+    `heuristic()` returns (called only when some field is unset)."""
+    unset = [name for name in fields if getattr(config, name) is None]
+    if not unset:
+        return config
+    tiles = heuristic()
+    return dataclasses.replace(config, **{name: getattr(tiles, name) for name in unset})
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashBackwardConfig:
     """Tiling of the two backward kernels: hashable, a static argument.
@@ -61,11 +71,8 @@ class FlashBackwardConfig:
     def resolve(self, q_len: int, kv_len: int, head_dim: int, dtype) -> FlashBackwardConfig:
         """This config with every Triton field left None taken from `heuristic` for the
         shape (a config built only to choose `backend` or `mosaic` tiles like the default)."""
-        unset = [name for name in _TRITON_FIELDS if getattr(self, name) is None]
-        if not unset:
-            return self
-        tiles = FlashBackwardConfig.heuristic(q_len, kv_len, head_dim, dtype)
-        return dataclasses.replace(self, **{name: getattr(tiles, name) for name in unset})
+        heuristic = FlashBackwardConfig.heuristic
+        return fill_tiles(self, _TRITON_FIELDS, lambda: heuristic(q_len, kv_len, head_dim, dtype))
 
     @classmethod
     def heuristic(cls, q_len: int, kv_len: int, head_dim: int, dtype) -> FlashBackwardConfig:

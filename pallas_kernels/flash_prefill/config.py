@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels.common import next_power_of_2
-from pallas_kernels.flash_backward.config import FlashBackwardConfig
+from pallas_kernels.flash_backward.config import FlashBackwardConfig, fill_tiles
 from pallas_kernels.mosaic.config import BACKENDS, MosaicForwardConfig
 
 
@@ -59,18 +59,19 @@ class FlashPrefillConfig:
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"FlashPrefillConfig: num_stages={self.num_stages} must be >= 1")
 
+    @property
+    def resolved(self) -> bool:
+        """Every Triton tile field is set (the kernel takes no other)."""
+        return all(getattr(self, name) is not None for name in _TRITON_FIELDS)
+
     def fill(self, tiles: FlashPrefillConfig) -> FlashPrefillConfig:
         """This config with each Triton field left None taken from `tiles`."""
-        unset = [name for name in _TRITON_FIELDS if getattr(self, name) is None]
-        if not unset:
-            return self
-        return dataclasses.replace(self, **{name: getattr(tiles, name) for name in unset})
+        return fill_tiles(self, _TRITON_FIELDS, lambda: tiles)
 
     def resolve(self, *shape, **features) -> FlashPrefillConfig:
         """`fill` from `heuristic(*shape, **features)` (the same arguments)."""
-        if all(getattr(self, name) is not None for name in _TRITON_FIELDS):
-            return self
-        return self.fill(FlashPrefillConfig.heuristic(*shape, **features))
+        heuristic = FlashPrefillConfig.heuristic
+        return fill_tiles(self, _TRITON_FIELDS, lambda: heuristic(*shape, **features))
 
     @classmethod
     def heuristic(

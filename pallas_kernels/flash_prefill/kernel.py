@@ -334,7 +334,7 @@ def flash_prefill(
     Returns:
       out shaped like q in `out_dtype`, and lse float32 `[B, Hq, Tq]` / `[Hq, Tq_all]` (or None).
     """
-    if None in (config.block_q, config.block_kv, config.num_warps, config.num_stages):
+    if not config.resolved:
         raise ValueError(f"flash_prefill: {config} has tile fields left None: resolve it first")
     num_q_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]

@@ -66,7 +66,7 @@ from pallas_kernels.mosaic.common import (
     within,
     zero_padding,
 )
-from pallas_kernels.mosaic.config import SPLIT_HEAD_DIM, MosaicBackwardConfig, key_tile_rows
+from pallas_kernels.mosaic.config import MosaicBackwardConfig, key_tile_rows, split_columns
 from pallas_kernels.mosaic.forward import key_blocks
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
@@ -74,15 +74,16 @@ from pallas_kernels.mosaic.packed import (
     check_rows,
     merge_tails,
     tail_rows,
+    tile_order,
     tile_table,
 )
 
 _ROWS = 64  # query rows (dQ) or keys (dK/dV) per consumer warpgroup
-# Head dims above SPLIT_HEAD_DIM split the dK/dV kernel's columns: the two consumers hold
-# the same 64 keys, each accumulating half of dK's and dV's columns (64 keys x 256 columns
-# of dK and of dV in float32 would need 256 registers a thread, more than a consumer's
-# 232). Each stores D256 operands as two 128-column halves; the GEMMs over D take both.
-_HALF = SPLIT_HEAD_DIM
+# Head dims above SPLIT_HEAD_DIM split the dK/dV kernel's columns (`split_columns`): the
+# two consumers hold the same 64 keys, each accumulating half of dK's and dV's columns
+# (64 keys x 256 columns of dK and of dV in float32 would need 256 registers a thread,
+# more than a consumer's 232). Each stores such operands as two halves of D / 2 columns;
+# the GEMMs over D take both.
 
 
 def query_block_range(first_key, last_key, *, causal, window, offset, num_blocks, block_q,
@@ -315,7 +316,7 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
     inputs, lengths_ref, (dk_ref, dv_ref, *tail_refs, smem, barriers) = split_refs(
         refs, 6, has_lengths or packed
     )
-    # Split columns (D > _HALF): K, V [2, 64, 128] (the halves), Q, dO [stages, 2, bq, 128].
+    # Split columns: K, V [2, 64, D/2] (the halves), Q, dO [stages, 2, bq, D/2].
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     plgpu = load_plgpu()
     k_smem2, v_smem2, q_smem, do_smem, row_smem = smem
@@ -326,7 +327,7 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
     num_blocks = pl.cdiv(q_rows, block_q)
     t, kvh, b = launch.place()
     wg = lax.axis_index("wg")
-    split = head_dim > _HALF
+    split, half = split_columns(head_dim), head_dim // 2
     tile = block_tile(lengths_ref, t, b, packed=packed, rows=key_tile_rows(head_dim),
                       q_rows=q_rows, kv_rows=kv_rows)  # fmt: skip
     b, seq = tile.batch, tile.seq
@@ -354,7 +355,7 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
         my_lo, my_hi, full_lo, full_hi = within(blocks_of(wg), lo, hi)
         keys = (b, pl.ds(tile.k_base + first_key, _ROWS), kvh)
         if split:  # each loads its half of K and V; both wait for all four copies
-            out_cols = (pl.ds(wg * _HALF, _HALF),)
+            out_cols = (pl.ds(wg * half, half),)
             loaded = in_barriers.at[0]
         else:
             out_cols = ()
@@ -363,7 +364,7 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
         plgpu.copy_gmem_to_smem(v_ref.at[(*keys, *out_cols)], v_smem2.at[wg], loaded)
         plgpu.barrier_wait(loaded)
         layout = plgpu.Layout.WGMMA
-        out_dim = _HALF if split else head_dim  # the columns of dK, dV this consumer sums
+        out_dim = half if split else head_dim  # the columns of dK, dV this consumer sums
         zeros = plgpu.layout_cast(jnp.zeros((_ROWS, out_dim), jnp.float32), layout)
 
         # Views of a ring slot, taken inside the GEMMs' bodies (run_state takes a view's
@@ -453,9 +454,9 @@ def _dkdv_kernel(*refs, has_lengths, packed, causal, window, sink_tokens, soft_c
             rows = (b, pl.ds(tile.q_base + j * block_q, block_q), h)
             for src, dst in ((q_ref, q_smem), (do_ref, do_smem)):
                 if split:  # the two column halves
-                    for half in range(2):
-                        cols = pl.ds(half * _HALF, _HALF)
-                        plgpu.copy_gmem_to_smem(src.at[(*rows, cols)], dst.at[slot, half],
+                    for part in range(2):
+                        cols = pl.ds(part * half, half)
+                        plgpu.copy_gmem_to_smem(src.at[(*rows, cols)], dst.at[slot, part],
                                                 q_loaded.at[slot])  # fmt: skip
                 else:
                     plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], q_loaded.at[slot])
@@ -544,7 +545,7 @@ def mosaic_backward_packed(q, k, v, out, lse, g_out, g_lse, cu_seqlens_q, cu_seq
     g_lse = None if g_lse is None else g_lse[None]
     lse2, delta = _row_terms(out[None], g_out, lse[None], g_lse, real_row)
     options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
-    order = {name: options[name] for name in ("causal", "window", "sink_tokens")}
+    order = tile_order(options)
     key_rows = key_tile_rows(q.shape[-1])  # the dK/dV kernel's tiles (64 keys above D128)
     tiles = ((config.rows, q_rows, "q"), (key_rows, kv_rows, "kv"))
     tables = tuple(tile_table(batch, rows, n, axis=axis, **order) for rows, n, axis in tiles)
@@ -632,8 +633,9 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
     )(*inputs, *aux(dq_aux))
 
     bq = config.block_q_dkv
-    split = head_dim > _HALF  # two column halves: K, V [2, 64, 128]; Q, dO [stages, 2, bq, 128]
-    held, ring = ((2, _ROWS, _HALF), (stages, 2, bq, _HALF)) if split else (
+    # Split columns: K, V in halves [2, 64, D/2], Q and dO [stages, 2, bq, D/2].
+    split, half = split_columns(head_dim), head_dim // 2
+    held, ring = ((2, _ROWS, half), (stages, 2, bq, half)) if split else (
         (CONSUMERS, _ROWS, head_dim), (stages, bq, head_dim))  # fmt: skip
     done = (plgpu.Barrier(num_arrivals=CONSUMERS),) if split else ()  # both consumers' last step
     dkdv_launch = Launch(num_kv_heads, *grids[1])

@@ -13,10 +13,15 @@ KEY_ROWS = 64  # the forward's Tk is a multiple of this (not necessarily of bloc
 SPLIT_HEAD_DIM = 128
 
 
+def split_columns(head_dim: int) -> bool:
+    """The dK/dV block's two consumers hold the same keys, each half of the columns."""
+    return head_dim > SPLIT_HEAD_DIM
+
+
 def key_tile_rows(head_dim: int) -> int:
     """Keys per dK/dV block: 64 (both consumers, split columns) above SPLIT_HEAD_DIM, else
     128 (64 per consumer)."""
-    return 64 if head_dim > SPLIT_HEAD_DIM else CONSUMERS * 64
+    return 64 if split_columns(head_dim) else CONSUMERS * 64
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,6 +75,7 @@ from pallas_kernels.mosaic.packed import (
     check_rows,
     merge_tails,
     tail_rows,
+    tile_order,
     tile_table,
 )
 
@@ -498,8 +499,7 @@ def mosaic_forward_packed(
     check_rows("mosaic_forward_packed", q.shape, k.shape)
     batch = packed_batch(cu_seqlens_q, cu_seqlens_k, q_rows, kv_rows)
     options = kernel_options(causal, window, sink_tokens, soft_cap, scale)
-    order = {name: options[name] for name in ("causal", "window", "sink_tokens")}
-    table = tile_table(batch, config.rows, q_rows, **order)
+    table = tile_table(batch, config.rows, q_rows, **tile_order(options))
     v = zero_padding(v[None], batch.k_start[-1:])
     num_slots = 2 * batch.q_len.shape[0]  # tail slots: two per sequence (`packed.py`)
     out, lse, out_tail, lse_tail = _launch(

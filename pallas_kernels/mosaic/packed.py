@@ -128,6 +128,11 @@ def tile_table(batch, block: int, num_rows: int, *, causal, window, sink_tokens:
     return jnp.concatenate([table, extra], axis=1)
 
 
+def tile_order(options: dict) -> dict:
+    """The kernel options `tile_table` orders tiles by (of `common.kernel_options`')."""
+    return {name: options[name] for name in ("causal", "window", "sink_tokens")}
+
+
 def block_tile(lengths_ref, t, b, *, packed: bool, rows: int, q_rows: int, kv_rows: int,
                last_first: bool = False) -> Tile:  # fmt: skip
     """Tile `t` of sequence `b` (`Launch.place`): a packed batch's from its table
@@ -202,6 +207,7 @@ __all__ = [
     "STORE",
     "merge_tails",
     "block_tile",
+    "tile_order",
     "tail_rows",
     "tile_table",
 ]
