@@ -304,8 +304,8 @@ def test_key_ring_covers_sinks(causal, window, sink_tokens, kv_len, kv_first):
 )  # fmt: skip
 def test_launch_order(shape):
     """Every (tile, head, batch) block exactly once; in launch order (row-major over the
-    grid) each section's tiles run heaviest (0) first and its pairs are whole kv groups of
-    one sequence's heads; a section fills two waves, with as few pairs as that takes."""
+    grid) each section's tiles run heaviest (0) first and its pairs are whole kv groups;
+    a section fills two waves, with as few pairs as that takes."""
     heads, tiles, batch, group = shape
     launch = Launch(heads, tiles, batch, group)
     grid = launch.grid()["grid"]
@@ -341,7 +341,7 @@ def test_persistent_blocks():
 
 
 def test_persistent_kernel_lowers_for_cuda(monkeypatch):
-    """The persistent form traces and lowers, with O's own tiles in shared memory."""
+    """The persistent form traces and lowers for CUDA (its block count taken)."""
     from pallas_kernels.mosaic import forward
 
     calls = []
@@ -395,6 +395,7 @@ KERNEL_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
     (1, 256, 256, 4, 2, 128, True, 1, None),  # window 1: each row its own key
     (1, 256, 320, 4, 2, 128, False, None, None),  # Tk past the last full block: masked
     (1, 256, 448, 4, 2, 64, True, None, 20.0),
+    (2, 256, 320, 4, 2, 128, True, None, None),
 ]
 LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -438,10 +439,12 @@ def test_kernel_tilings(config, causal):
     util.assert_lse_close(lse, want_lse, "bfloat16")
 
 
-PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap): more tiles than SMs
-    (1, 2560, 2560, 8, 2, 128, None),  # 160 tiles
-    (2, 1024, 1536, 16, 4, 64, 30.0),  # 256 tiles over two sequences
-    (1, 4096, 4160, 9, 3, 128, None),  # 288 tiles (2 or 3 a block); a last block of 64 keys
+PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap, (block_kv, stages)): > 1 wave
+    (1, 2560, 2560, 8, 2, 128, None, (128, 2)),  # 160 tiles
+    (2, 1024, 1536, 16, 4, 64, 30.0, (128, 2)),  # 256 tiles over two sequences
+    (1, 4096, 4160, 9, 3, 128, None, (128, 2)),  # 2 or 3 tiles a block; last block 64 keys
+    (1, 2560, 2624, 8, 2, 64, None, (128, 3)),  # 21 steps a tile: slots of 3 across tiles
+    (2, 2048, 2048, 8, 4, 64, None, (64, 4)),
 ]
 
 
@@ -450,11 +453,11 @@ PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap): more tiles than SMs
 def test_persistent_matches_per_tile(case):
     """The persistent form computes each tile as the per-tile launch does (which the
     oracle tests check): bit for bit, out and lse, whichever block takes the tile."""
-    b, tq, tk, hq, hkv, d, cap = case
+    b, tq, tk, hq, hkv, d, cap, (block_kv, stages) = case
     rng = util.rng_for("mosaic persistent", case)
     q = util.randn(rng, (b, tq, hq, d), "bfloat16")
     k, v = (util.randn(rng, (b, tk, hkv, d), "bfloat16") for _ in range(2))
-    persistent = MosaicForwardConfig.heuristic(d)
+    persistent = MosaicForwardConfig(64, block_kv, stages, persistent=True)
     launch = Launch(hq, tq // persistent.rows, b, hq // hkv)
     assert persistent.persistent and persistent_blocks(persistent, launch, True) > 0
     per_tile = dataclasses.replace(persistent, persistent=False)

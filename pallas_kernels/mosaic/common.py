@@ -57,7 +57,8 @@ class Launch:
     """The order in which a kernel's blocks start: a grid over `tiles` tiles of every
     (batch, head) pair, `heads` heads a sequence (static; the kernels take it whole).
 
-    Blocks start tile-major, so that every pair's tile 0 starts before any pair's tile 1:
+    Blocks start tile-major within each section (below), so that every pair's tile 0
+    starts before any pair's tile 1:
     the kernels number tiles heaviest first (causal: the query tiles that see the most
     keys, the key tiles seen by the most queries; packed: `tile_table`'s order), and the
     SMs then take the longest blocks first and end on short ones. Pallas Mosaic GPU

@@ -40,8 +40,9 @@ class MosaicForwardConfig:
         packing) run one block per SM, each walking its share of the tiles: the producer
         loads the next tile's keys and values under this tile's last steps, and each
         consumer its next Q, and O leaves through a buffer of its own (one more Q-sized
-        tile of shared memory). Other calls, and grids of at most one wave, launch a
-        block per tile, which the GPU hands out as SMs free up (causal tiles differ).
+        tile of shared memory, counted by `smem_bytes` whatever the call). Other calls,
+        and grids of at most one wave, launch a block per tile, which the GPU hands out
+        as SMs free up (causal tiles differ).
     """
 
     block_q: int = 64

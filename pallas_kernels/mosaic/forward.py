@@ -1,8 +1,12 @@
 """Flash attention forward for Hopper (sm90) in Pallas Mosaic GPU: TMA, wgmma, warp
 specialization.
 
-A block computes `2 * block_q` query rows of one query head of one sequence. It runs three
-warpgroups (FlashAttention-3, Shah et al. 2024):
+A block computes `2 * block_q` query rows of one query head of one sequence (a tile); in
+the persistent form (full attention over more tiles than SMs), one block per SM computes
+tile after tile, its ring running on across them, each consumer loading its next tile's Q
+once its last S GEMM of this one is done, and O leaving through tiles of its own
+(`MosaicForwardConfig.persistent`). A block runs three warpgroups (FlashAttention-3,
+Shah et al. 2024):
 
 - a producer (warpgroup 2) that only issues TMA copies of the head's K and V blocks into
   a ring of `num_stages` shared-memory slots, each slot guarded by a "loaded" barrier
@@ -166,7 +170,7 @@ def _kernel(
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
-    qo_smem2, k_smem, v_smem, lse_smem2, *o_smem2 = smem
+    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: persistent only
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
     _, q_rows, _, head_dim = q_ref.shape
@@ -189,7 +193,11 @@ def _kernel(
         t, h, b = place
         tile = block_tile(lengths_ref, t, b, packed=packed, rows=config.rows, q_rows=q_rows,
                           kv_rows=kv_rows, last_first=causal)  # fmt: skip
-        kv_limit = kv_rows if ragged_end else tile.seq.kv_limit
+        kv_limit = tile.seq.kv_limit
+        if ragged_end:
+            kv_limit = kv_rows
+        elif has_lengths and kv_rows % block_kv:  # lengths past Tk: not the zeros past it
+            kv_limit = imin(kv_limit, kv_rows)
         ring = key_ring(functools.partial(blocks_of, tile, kv_limit), window=window,
                         sink_tokens=sink_tokens, block_kv=block_kv,
                         kv_first=tile.seq.kv_first)  # fmt: skip
@@ -214,7 +222,7 @@ def _kernel(
         q_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         # Persistent blocks stage O apart from Q, whose next tile then loads under the
         # last steps and the epilogue of this one; else O goes out through Q's buffer.
-        o_smem = o_smem2[0].at[wg] if persistent else q_smem
+        o_smem = o_tiles[0].at[wg] if persistent else q_smem
 
         def load_q(w: _Work):
             rows = pl.ds(w.tile.q_base + rows_of(w.tile, wg), block_q)
@@ -289,7 +297,8 @@ def _kernel(
 
                 qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                if next_q is not None:  # Q is read: the next tile's may land
+                if next_q is not None:  # Q is read: the next tile's may land (persistent
+                    # tiles are alike and see every block: my_hi > my_lo, so this runs)
                     pl.when(step == my_hi - 1)(next_q)
                 m_new, alpha, p, l = softmax(qk, step, masked, m, l)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])

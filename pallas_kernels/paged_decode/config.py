@@ -91,7 +91,8 @@ class PagedDecodeConfig:
           of 3 stages fit an SM), not one more: B8 ctx8192 (64 programs) in 4 splits
           against 5: INT8 per tensor 0.063 against 0.070 ms, groups of 8 0.088 against
           0.119, INT4 0.046 against 0.049, INT4 groups of 32 0.061 against 0.065, FP8
-          groups of 32 0.080 against 0.081 (8-16 splits no better; probe of 06:15 UTC).
+          groups of 32 0.080 against 0.081 (8-16 splits within 7% of the best; probe of
+          06:15 UTC).
           With one scale per token and head (`row_scales`) 4 splits ran slower (the
           decode_quant run of 06:20 UTC: INT8 0.104 against 0.089 ms, FP8 0.080 against
           0.077, INT4 0.059 against 0.054): those keep about two programs an SM.
@@ -109,7 +110,7 @@ class PagedDecodeConfig:
             return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
         splits = -(-2 * sm_count // programs)  # about two programs an SM
-        if code is not None:  # at least two; without row scales, no more than one wave
+        if code is not None:  # at least two; without row scales, one wave unless two exceed it
             splits = max(splits if row_scales else 2 * sm_count // programs, 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
         if code == "int8" and row_scales:
