@@ -555,7 +555,7 @@ def attention(
       config: a `FlashPrefillConfig` for the pallas kernels; None picks a heuristic. Its
         `backend` says which forward runs: "auto" (the Hopper kernel on sm90 when it
         covers the call: bf16/fp16, head_dim 64/128/256, lengths or none, sinks or
-        none, no bias/mask/ALiBi/T5 terms, Tq and Tk multiples of its blocks; else Triton),
+        none, no bias/mask/ALiBi/T5 terms, Tq a multiple of 128 and Tk of 64; else Triton),
         "triton", or "mosaic" (NotImplementedError, with the reason, where it cannot).
         `config.backward.backend` says the same of the gradient's kernels (the Hopper
         ones: the forward's coverage, Tq and Tk multiples of 128).
