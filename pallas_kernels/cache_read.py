@@ -194,15 +194,14 @@ def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
     if fmt.dtype is None or scale_ref.shape == (1,):
         return None
     entries, kvh, offsets = at
+    part_dim = head_dim // fmt.parts
     if fmt.factored(head_dim):
         index = fmt.layout.index(scale_ref, entries[:, 0], offsets[:, 0], kvh, kv)
         load = lambda g: plgpu.load(scale_ref.at[(*index, jnp.int32(g))], mask=t_ok, other=1)  # noqa: E731
         if fmt.row_scales:
             return load(0)
-        part_dim = head_dim // fmt.parts
         return tuple(load(p * part_dim // fmt.group_size) for p in range(fmt.parts))
     index = fmt.layout.index(scale_ref, entries, offsets, kvh, kv)
-    part_dim = head_dim // fmt.parts
     return tuple(
         _group_scales(scale_ref, index, fmt.group_size, p, part_dim, t_ok) for p in range(fmt.parts)
     )

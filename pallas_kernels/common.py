@@ -21,6 +21,12 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+def device_sm_count(default: int) -> int:
+    """Streaming multiprocessors of the default device (its `core_count`), or `default`
+    where jax does not say (CPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or default
+
+
 def use_interpret() -> bool:
     """Kernels run compiled on a GPU backend and in Pallas interpret mode elsewhere.
 

@@ -31,7 +31,7 @@ from test_mosaic import hopper_only
 import jaxattn
 from pallas_kernels.mosaic import mosaic_backward, mosaic_forward
 from pallas_kernels.mosaic.backward import query_block_range
-from pallas_kernels.mosaic.common import ring_steps, within
+from pallas_kernels.mosaic.common import ring_steps, sequence_of, within
 from pallas_kernels.mosaic.forward import key_blocks
 
 attention_module = importlib.import_module("jaxattn.attention")
@@ -136,6 +136,15 @@ def test_consumers_walk_exactly_the_producers_steps(causal, window):
                     moved += _walk_ok(blocks_of(0), lo, hi) + _walk_ok(blocks_of(1), lo, hi)
     if causal:  # the case that crashed the dK/dV kernel: the check is not vacuous
         assert moved > 0
+
+
+def test_lengths_past_the_arrays_mask_no_key_past_them():
+    """A key count past Tk places the rows (offset) but its key limit stops at Tk: a last
+    key block running past Tk reads zeros there, which must stay masked."""
+    lengths = jnp.asarray([[3, 200], [900, 150]], jnp.int32)  # [q_lengths; kv_lengths]
+    long, short = (sequence_of(lengths, b, 256, 320) for b in (0, 1))
+    assert (int(long.kv_len), int(long.offset), int(long.kv_limit)) == (900, 897, 320)
+    assert (int(short.kv_len), int(short.offset), int(short.kv_limit)) == (150, -50, 150)
 
 
 # ------------------------------------------------------------------ lowering (CPU)

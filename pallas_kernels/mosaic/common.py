@@ -209,8 +209,8 @@ def zero_padding(x, lengths):
 
 class Sequence(NamedTuple):
     """One sequence's extent inside a kernel: `q_len` query rows and `kv_len` keys are
-    real, query row r sits at position `r + offset`; `kv_limit` is kv_len with lengths
-    (keys at or past it are padding) and None without (no key mask). `kv_first`,
+    real, query row r sits at position `r + offset`; `kv_limit` is kv_len (at most Tk)
+    with lengths (keys at or past it are padding) and None without (no key mask). `kv_first`,
     `q_first` (packed batches): keys and query rows below them belong to the sequence
     before (`packed.py`)."""
 
@@ -224,11 +224,13 @@ class Sequence(NamedTuple):
 
 def sequence_of(lengths_ref, b, q_rows: int, kv_rows: int) -> Sequence:
     """Sequence `b`'s extent: scalars read from the lengths array (`sequence_lengths`'
-    `[2, B]`), or the static row counts (Python ints) when `lengths_ref` is None."""
+    `[2, B]`), or the static row counts (Python ints) when `lengths_ref` is None. A
+    length past Tk places the rows (offset) but masks no key below it: the keys stop at
+    Tk (a last key block running past Tk reads zeros there, which are no keys)."""
     if lengths_ref is None:
         return Sequence(q_rows, kv_rows, kv_rows - q_rows, None)
     q_len, kv_len = lengths_ref[0, b], lengths_ref[1, b]
-    return Sequence(q_len, kv_len, kv_len - q_len, kv_len)
+    return Sequence(q_len, kv_len, kv_len - q_len, imin(kv_len, kv_rows))
 
 
 class Tile(NamedTuple):

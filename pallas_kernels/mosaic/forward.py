@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.batch import packed_batch
-from pallas_kernels.common import LN2, LOG2E, MASK_VALUE
+from pallas_kernels.common import LN2, LOG2E, MASK_VALUE, device_sm_count
 from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
@@ -193,11 +193,7 @@ def _kernel(
         t, h, b = place
         tile = block_tile(lengths_ref, t, b, packed=packed, rows=config.rows, q_rows=q_rows,
                           kv_rows=kv_rows, last_first=causal)  # fmt: skip
-        kv_limit = tile.seq.kv_limit
-        if ragged_end:
-            kv_limit = kv_rows
-        elif has_lengths and kv_rows % block_kv:  # lengths past Tk: not the zeros past it
-            kv_limit = imin(kv_limit, kv_rows)
+        kv_limit = kv_rows if ragged_end else tile.seq.kv_limit
         ring = key_ring(functools.partial(blocks_of, tile, kv_limit), window=window,
                         sink_tokens=sink_tokens, block_kv=block_kv,
                         kv_first=tile.seq.kv_first)  # fmt: skip
@@ -590,8 +586,7 @@ def persistent_blocks(config: MosaicForwardConfig, launch: Launch, alike: bool, 
     unknown."""
     if not (config.persistent and alike):
         return 0
-    if sms is None:
-        sms = getattr(jax.devices()[0], "core_count", 0)
+    sms = device_sm_count(0) if sms is None else sms
     return sms if 0 < sms < launch.items else 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
+from pallas_kernels.common import device_sm_count
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
 _RESIDENT_PER_SM = 4  # 64x4x3 programs an SM holds at once (128 registers per thread)
@@ -99,7 +99,7 @@ class PagedDecodeConfig:
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
-        sm_count = sm_count or _sm_count()
+        sm_count = sm_count or device_sm_count(_DEFAULT_SM_COUNT)
         programs = batch * num_kv_heads
         if programs >= sm_count and code is None:
             if max_context >= _LONG_CONTEXT:
@@ -117,8 +117,3 @@ class PagedDecodeConfig:
             return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
         stages = 2 if code is None else 3
         return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=stages)
-
-
-def _sm_count() -> int:
-    device = jax.devices()[0]
-    return getattr(device, "core_count", None) or _DEFAULT_SM_COUNT

@@ -204,7 +204,7 @@ def _paged_decode_kernel(
         if factored:  # scales factored out of the tiles: they scale logits and probabilities
             k_scale = factored_scales(k_scale_ref, k_scales, t_ok)  # [block_kv], or per part
             v_scale = factored_scales(v_scale_ref, v_scales, t_ok)
-            if isinstance(k_scale, tuple):
+            if fmt.part_scales(head_dim):  # each part's logits by its own
                 part_scales, k_scale = k_scale, None
         if has_rope:
             s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision,
