@@ -185,9 +185,11 @@ def forward_backend(static: _Static, config, q, k, extras, device=None):
     (`pallas_kernels.mosaic.select_forward`: the Hopper kernel on sm90 where it covers
     the call, unless `config.backend` forces one)."""
     options = _hopper_options(static, extras)
+    full = not (static.causal or static.packed) and static.window is None
     tiling = select_forward(
-        config, q.shape, k.shape, q.dtype, device=device, out_fp8=static.out_fp8, **options
-    )
+        config, q.shape, k.shape, q.dtype, device=device, full=full, out_fp8=static.out_fp8,
+        **options,
+    )  # fmt: skip
     return ("triton", None) if tiling is None else ("mosaic", tiling)
 
 

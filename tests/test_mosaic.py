@@ -30,6 +30,7 @@ from pallas_kernels.mosaic import (
     select_forward,
 )
 from pallas_kernels.mosaic.common import SMS, Launch, consumer_steps, key_ring
+from pallas_kernels.mosaic.config import LONG_FULL_KEYS
 from pallas_kernels.mosaic.forward import block_range, key_blocks, persistent_blocks
 
 ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
@@ -111,6 +112,33 @@ def test_ring_blocks_select_like_attention():
     )
     assert select_forward(None, shape, shape, jnp.float32, device=HOPPER) is None
     assert select_forward(None, shape, shape, jnp.bfloat16, device=AMPERE) is None
+
+
+def test_long_full_attention_takes_192_key_steps():
+    """Full attention (no causal mask, window or packing) over LONG_FULL_KEYS keys or more
+    at D128 takes 192-key steps, a block per tile; every other call the default tiling."""
+    long_full = MosaicForwardConfig(64, 192, 2)
+    default = MosaicForwardConfig.heuristic(128)
+    assert default.block_kv == 128 and default.persistent
+    assert MosaicForwardConfig.heuristic(128, kv_rows=LONG_FULL_KEYS, full=True) == long_full
+    assert MosaicForwardConfig.heuristic(128, kv_rows=LONG_FULL_KEYS - 64, full=True) == default
+    assert MosaicForwardConfig.heuristic(128, kv_rows=LONG_FULL_KEYS) == default
+    for d in (64, 256):
+        assert MosaicForwardConfig.heuristic(d, kv_rows=LONG_FULL_KEYS, full=True) == (
+            MosaicForwardConfig.heuristic(d)
+        )
+
+    def tiling(**kw):
+        q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, LONG_FULL_KEYS, 2, 128), jnp.bfloat16)
+        return forward_backend(_static(**kw), None, q, k, (None,) * 4, HOPPER)[1]
+
+    assert tiling(causal=False) == long_full
+    assert tiling(causal=True) == default
+    assert tiling(causal=False, window=4096) == default
+    ring_shape = (1, 1024, 8, 128)
+    assert select_forward(None, ring_shape, (1, LONG_FULL_KEYS, 8, 128), jnp.bfloat16,
+                          device=HOPPER, full=True) == long_full  # fmt: skip
 
 
 def test_forced_mosaic_names_the_device():
@@ -466,6 +494,22 @@ def test_persistent_matches_per_tile(case):
     want = jax.jit(functools.partial(fn, config=per_tile))(q, k, v)
     for x, y, name in zip(got, want, ("out", "lse"), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+@hopper_only
+def test_long_full_attention_matches_oracle():
+    """The tiling the heuristic gives long full attention (192-key steps), chosen by
+    `jaxattn.attention`, with a last key block a third full (Tk = 64 blocks of 192 + 64)."""
+    rng = util.rng_for("mosaic long full")
+    q = util.randn(rng, (1, 256, 4, 128), "bfloat16")
+    k, v = (util.randn(rng, (1, LONG_FULL_KEYS + 64, 2, 128), "bfloat16") for _ in range(2))
+    picked = forward_backend(_static(causal=False), None, q, k, (None,) * 4)
+    assert picked == ("mosaic", MosaicForwardConfig(64, 192, 2))
+    out = jax.jit(functools.partial(jaxattn.attention, scale=0.1, implementation="pallas"))(q, k, v)
+    args = [util.f64(x) for x in (q, k, v)]
+    want, _ = attention_oracle(*args, scale=0.1)
+    lowp_ref, _ = attention_oracle(*args, scale=0.1, lowp=ml_dtypes.bfloat16)
+    util.assert_out_close(out, want, "bfloat16", lowp_ref=lowp_ref)
 
 
 @hopper_only

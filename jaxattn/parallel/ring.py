@@ -220,7 +220,7 @@ def _attend(ring: _Ring, q, k, v, causal: bool):
             q, k, v, causal=causal, scale=ring.scale, return_lse=True
         )
         return out.astype(jnp.float32), lse
-    tiling = select_forward(ring.config, q.shape, k.shape, q.dtype)
+    tiling = select_forward(ring.config, q.shape, k.shape, q.dtype, full=not causal)
     if tiling is not None:  # the Hopper kernel (sm90), as `jaxattn.attention` picks it
         out, lse = mosaic_forward(q, k, v, causal=causal, scale=ring.scale, config=tiling)
         return out.astype(jnp.float32), lse

@@ -449,7 +449,8 @@ def mosaic_forward(
         masks the keys and zeroes the padding rows' output.
       causal, window, sink_tokens, soft_cap, scale: as `jaxattn.attention` (queries
         bottom-right aligned; sinks, the first `sink_tokens` keys, count with a window).
-      config: tiling; None picks `MosaicForwardConfig.heuristic`.
+      config: tiling; None picks `MosaicForwardConfig.heuristic` (by D, Tk, and whether
+        the call is full attention).
 
     Returns:
       out `[B, Tq, Hq, D]` in q's dtype and the natural log-sum-exp float32 `[B, Hq, Tq]`
@@ -457,7 +458,8 @@ def mosaic_forward(
     """
     batch, q_rows, _, head_dim = q.shape
     kv_rows = k.shape[1]
-    config = config or MosaicForwardConfig.heuristic(head_dim)
+    full = not causal and window is None
+    config = config or MosaicForwardConfig.heuristic(head_dim, kv_rows=kv_rows, full=full)
     if not q_rows or not kv_rows or q_rows % config.rows or kv_rows % KEY_ROWS:
         raise ValueError(
             f"mosaic_forward: {q.shape=}, {k.shape=}: Tq must be a positive multiple of "

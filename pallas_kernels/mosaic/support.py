@@ -36,16 +36,17 @@ def device_unsupported(device=None) -> str | None:
     return None
 
 
-def select_forward(config, q_shape, k_shape, dtype, *, device=None, **features):
+def select_forward(config, q_shape, k_shape, dtype, *, device=None, full=False, **features):
     """The Hopper kernel's tiling if it runs this forward, None if the Triton kernel does.
 
     config: a `FlashPrefillConfig` or None. Its `backend` "auto" (or no config) takes the
     Hopper kernel on compute capability 9.x where `forward_unsupported(..., **features)`
     says it covers the call; "mosaic" insists, raising NotImplementedError with the
     reason otherwise; "triton" never takes it. `device`: the device asked about (default
-    the first)."""
+    the first); `full`: a dense call with no causal mask or window (for the tiling
+    heuristic, `MosaicForwardConfig.heuristic`)."""
     tiling = None if config is None else config.mosaic
-    tiling = tiling or MosaicForwardConfig.heuristic(q_shape[-1])
+    tiling = tiling or MosaicForwardConfig.heuristic(q_shape[-1], kv_rows=k_shape[-3], full=full)
     return _select(config, tiling, device, forward_unsupported, q_shape, k_shape, dtype, **features)
 
 
