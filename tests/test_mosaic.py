@@ -116,17 +116,17 @@ def test_ring_blocks_select_like_attention():
 
 def test_long_full_attention_takes_192_key_steps():
     """Full attention (no causal mask, window or packing) over LONG_FULL_KEYS keys or more
-    at D128 takes 192-key steps, a block per tile; every other call the default tiling."""
+    up to D128 takes 192-key steps, a block per tile; every other call the default tiling."""
     long_full = MosaicForwardConfig(64, 192, 2)
     default = MosaicForwardConfig.heuristic(128)
     assert default.block_kv == 128 and default.persistent
-    assert MosaicForwardConfig.heuristic(128, kv_rows=LONG_FULL_KEYS, full=True) == long_full
-    assert MosaicForwardConfig.heuristic(128, kv_rows=LONG_FULL_KEYS - 64, full=True) == default
-    assert MosaicForwardConfig.heuristic(128, kv_rows=LONG_FULL_KEYS) == default
-    for d in (64, 256):
-        assert MosaicForwardConfig.heuristic(d, kv_rows=LONG_FULL_KEYS, full=True) == (
-            MosaicForwardConfig.heuristic(d)
-        )
+    for d in (64, 128):
+        assert MosaicForwardConfig.heuristic(d, kv_rows=LONG_FULL_KEYS, full=True) == long_full
+        short = MosaicForwardConfig.heuristic(d, kv_rows=LONG_FULL_KEYS - 64, full=True)
+        assert short == MosaicForwardConfig.heuristic(d) == default
+        assert MosaicForwardConfig.heuristic(d, kv_rows=LONG_FULL_KEYS) == default
+    d256 = MosaicForwardConfig.heuristic(256, kv_rows=LONG_FULL_KEYS, full=True)
+    assert d256 == MosaicForwardConfig.heuristic(256) and d256.block_kv == 64
 
     def tiling(**kw):
         q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
@@ -497,12 +497,13 @@ def test_persistent_matches_per_tile(case):
 
 
 @hopper_only
-def test_long_full_attention_matches_oracle():
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_full_attention_matches_oracle(d):
     """The tiling the heuristic gives long full attention (192-key steps), chosen by
-    `jaxattn.attention`, with a last key block a third full (Tk = 64 blocks of 192 + 64)."""
-    rng = util.rng_for("mosaic long full")
-    q = util.randn(rng, (1, 256, 4, 128), "bfloat16")
-    k, v = (util.randn(rng, (1, LONG_FULL_KEYS + 64, 2, 128), "bfloat16") for _ in range(2))
+    `jaxattn.attention`, with a last key block a third full (Tk = 43 blocks of 192 + 64)."""
+    rng = util.rng_for("mosaic long full", d)
+    q = util.randn(rng, (1, 256, 4, d), "bfloat16")
+    k, v = (util.randn(rng, (1, LONG_FULL_KEYS + 128, 2, d), "bfloat16") for _ in range(2))
     picked = forward_backend(_static(causal=False), None, q, k, (None,) * 4)
     assert picked == ("mosaic", MosaicForwardConfig(64, 192, 2))
     out = jax.jit(functools.partial(jaxattn.attention, scale=0.1, implementation="pallas"))(q, k, v)

@@ -8,8 +8,8 @@ BACKENDS = ("auto", "triton", "mosaic")  # the values of the configs' `backend` 
 _SMEM_BYTES = 227 * 1024  # shared memory a block may hold on sm90
 CONSUMERS = 2  # compute warpgroups per block (plus one producer)
 KEY_ROWS = 64  # the forward's Tk is a multiple of this (not necessarily of block_kv)
-# Full attention over at least this many keys takes 192-key steps at D128 (`heuristic`).
-LONG_FULL_KEYS = 12288
+# Full attention over at least this many keys takes 192-key steps up to D128 (`heuristic`).
+LONG_FULL_KEYS = 8192
 # The backward's head dims above this split the dK/dV block's columns between its two
 # consumers, which then hold the same 64 keys (`backward.py`).
 SPLIT_HEAD_DIM = 128
@@ -82,18 +82,18 @@ class MosaicForwardConfig:
         """128-key steps in two stages for head dims up to 128 (160 KiB of shared memory
         at D128, 192 KiB persistent); 64-key steps for D256 (192 KiB). Persistent up to
         D128 (at D256 the O tiles do not fit). `full` calls (no causal mask or window) of
-        at least LONG_FULL_KEYS keys (`kv_rows`, Tk) at D128 take 192-key steps, a block
-        per tile (224 KiB: no room for the persistent form's O tiles).
+        at least LONG_FULL_KEYS keys (`kv_rows`, Tk) up to D128 take 192-key steps, a
+        block per tile (224 KiB at D128: no room for the persistent form's O tiles).
 
         Measured on an H100 (jax 0.11.2, bf16 GQA 32/8, full attention, 2026-11-26,
         `bench/HISTORY.md`): persistent against a block per tile, B1 S4096 0.473 / 0.477
         ms, B8 S2048 0.958 / 1.030, B1 S8192 1.84 / 1.86, B1 S16384 7.35 / 7.32, D64 B1
         S4096 0.312 / 0.320. 192-key steps against persistent 128: B1 S16384 6.89 / 7.41
-        ms, but B1 S4096 0.484 / 0.472 (its last block a third full) and B8 S2048 1.046 /
-        0.958; Tq 4096 Tk 12288 1.32 against 1.40 for 128 a block per tile; causal rows
-        5-46% slower.
+        ms, B1 S8192 1.82 / 1.91, Tq 4096 Tk 10240 1.13 / 1.17, D64 B1 S16384 4.63 /
+        4.95; but B1 S4096 0.484 / 0.472 (its last block a third full) and B8 S2048 1.046
+        / 0.958; causal rows 5-46% slower.
         """
-        if full and head_dim == 128 and kv_rows >= LONG_FULL_KEYS:
+        if full and head_dim <= 128 and kv_rows >= LONG_FULL_KEYS:
             return cls(64, 192, 2)
         return cls(64, 64 if head_dim > 128 else 128, 2, persistent=head_dim <= 128)
 
