@@ -269,15 +269,23 @@ def _differentiable(impl, static, config, qkv, lengths, extras):
 
 def _differentiable_fwd(impl, static, config, qkv, lengths, extras):
     """Residuals: q, k, v, the lengths and extras, and for the kernels out and the float32
-    lse (nothing of size Tq x Tk). `needs` names the float extras that are being
-    differentiated (its keys are static structure), so the backward computes no others."""
+    lse (nothing of size Tq x Tk); for "xla", out, lse and the reference's vjp (its own
+    residuals, as autodiff of the dense reference keeps them). `needs` names the float
+    extras that are being differentiated (its keys are static structure), so the backward
+    computes no others."""
     unwrap = lambda tree: jax.tree.map(lambda x: x.value, tree, is_leaf=_is_primal)  # noqa: E731
     perturbed = jax.tree.map(lambda x: x.perturbed, extras, is_leaf=_is_primal)
     needs = {name: None for name, p in zip(_FLOAT_EXTRAS, perturbed, strict=True) if p is True}
     qkv, lengths, extras = unwrap(qkv), unwrap(lengths), unwrap(extras)
-    if impl == "xla":
-        outputs = _forward(impl, static, config, qkv, lengths, extras)
-        return outputs, (qkv, lengths, extras, None, needs)
+    if impl == "xla":  # the reference's own gradient: its vjp, residuals kept, not recomputed
+        alibi, bias, mask, rel_table = extras
+
+        def f(qkv, alibi, bias, rel_table):
+            return _reference(static, qkv, lengths, (alibi, bias, mask, rel_table))
+
+        (out, lse), vjp = jax.vjp(f, qkv, alibi, bias, rel_table)
+        outputs = (out, lse if static.return_lse else None)
+        return outputs, (qkv, lengths, extras, (out, lse, vjp), needs)
     out, lse = _pallas(dataclasses.replace(static, return_lse=True), config, qkv, lengths, extras)
     outputs = (out, lse if static.return_lse else None)
     return outputs, (qkv, lengths, extras, (out, lse), needs)
@@ -301,12 +309,8 @@ def _differentiable_bwd(impl, static, config, residuals, cotangents):
     qkv, lengths, extras, saved, needs = residuals
     alibi, bias, mask, rel_table = extras
     g_out, g_lse = cotangents
-    if impl == "xla":  # The reference recomputed under jax.vjp (the oracle's own gradient).
-
-        def f(qkv, alibi, bias, rel_table):
-            return _reference(static, qkv, lengths, (alibi, bias, mask, rel_table))
-
-        (out, lse), vjp = jax.vjp(f, qkv, alibi, bias, rel_table)
+    if impl == "xla":  # the vjp the forward rule kept
+        out, lse, vjp = saved
         g_out = _dense_cotangent(g_out, out)
         g_lse = _dense_cotangent(g_lse, lse)
         g_lse = jnp.where(jnp.isfinite(lse), g_lse, 0)
