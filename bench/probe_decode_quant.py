@@ -13,7 +13,8 @@ under 250 us run chained over the query sets). One line per tiling, also appende
 
 Shapes are BxCONTEXT; formats DTYPE (per tensor), DTYPE:GROUP (per group) or DTYPE:D (one
 group a row); tilings BLOCK_KVxWARPSxSTAGES with the heuristic's split count, or
-BLOCK_KVxWARPSxSTAGESxSPLITS.
+BLOCK_KVxWARPSxSTAGESxSPLITS, either with a suffix "c" to read V as codes rather than
+words (`PagedDecodeConfig.v_words`).
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ def _probe(args, log) -> None:
             chosen = default_decode_config(cache, batch, context)
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
-                block_kv, warps, stages, *splits = map(int, tiling.split("x"))
+                sizes, codes, _ = tiling.partition("c")
+                block_kv, warps, stages, *splits = map(int, sizes.split("x"))
                 splits = splits[0] if splits else chosen.num_splits
-                configs[tiling] = jaxattn.PagedDecodeConfig(block_kv, splits, warps, stages)
+                configs[tiling] = jaxattn.PagedDecodeConfig(
+                    block_kv, splits, warps, stages, v_words=not codes
+                )
             fns = {name: ours(c) for name, c in configs.items()}
             want = fns["heuristic"](*arg_sets[0]).astype(jnp.float32)
             measures = [op_measure(fn, arg_sets, warmup=3) for fn in fns.values()]

@@ -190,7 +190,7 @@ def default_decode_config(cache: PagedKVCache, batch: int, max_context: int) -> 
     fmt = cache_format(cache)
     return PagedDecodeConfig.heuristic(
         batch, cache.num_kv_heads, max_context, cache.page_size,
-        code=fmt.dtype, row_scales=fmt.one_group_a_row,
+        code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
     )  # fmt: skip
 
 

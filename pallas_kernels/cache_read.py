@@ -31,7 +31,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.codes import codes_to_bf16, int4_nibbles
+from pallas_kernels.codes import codes_to_bf16, int4_nibbles, words_to_bf16
 from pallas_kernels.common import dot_width, next_power_of_2
 
 _ROW_AXES = ("page", "offset", "token")
@@ -343,3 +343,46 @@ def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int
         return (values * scale_ref[0]).astype(dtype)
     group = dims // fmt.group_size if fmt.group_size else jnp.zeros_like(dims)
     return (values * load(scale_ref, group, 1).astype(jnp.float32)).astype(dtype)
+
+
+def reads_v_words(fmt: CacheFormat, head_dim: int) -> bool:
+    """V tiles of this format can be read as 32-bit words (`read_v_words`): 8-bit codes,
+    D / 4 a power of two of at least 16 (a dot's width), groups of 4 channels or more."""
+    width = head_dim // 4
+    return (
+        fmt.dtype in ("int8", "float8_e4m3fn")
+        and head_dim % 4 == 0
+        and dot_width(width) == width
+        and (fmt.factored(head_dim) or fmt.group_size % 4 == 0)
+    )
+
+
+def v_word_columns(head_dim: int) -> list:
+    """The channels of each part `read_v_words` gives, `[1, D / 4]`: part c, 4j + c."""
+    j = jnp.arange(head_dim // 4)[None, :]
+    return [4 * j + c for c in range(4)]
+
+
+def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
+                 asm: bool = False):  # fmt: skip
+    """A V tile of `block` tokens read as int32 words from `ref` (the V pool viewed as
+    `[..., D / 4]` int32, four codes a word): four parts `[block, D / 4]` of `dtype`, part
+    c holding channels `4j + c` (`v_word_columns`), dequantized except for factored
+    scales. Arguments as `read_kv`.
+
+    Why: the PV dot takes V as its B operand, which wants two consecutive tokens of one
+    channel in a register. Read as codes `[block, D]`, Triton gathers those with a
+    shared-memory load per byte (ldmatrix cannot transpose 8-bit elements); read as
+    words, one 32-bit load serves four channels and one byte permute pairs two tokens'
+    codes (H100, B64 ctx16384: INT8 per tensor 0.81 -> 0.77 ms, groups of 8 1.16 ->
+    0.98; bench/HISTORY.md, probes of 2026-11-26 09:32-09:41 UTC)."""
+    entries, kvh, offsets = at
+    index = fmt.layout.index(ref, entries, offsets, kvh, 1)
+    width = head_dim // 4
+    raw = plgpu.load(ref.at[(*index, jnp.arange(width)[None, :])], mask=t_ok[:, None], other=0)
+    parts = words_to_bf16(raw, fmt.dtype, asm=asm and dtype == jnp.bfloat16)
+    if fmt.factored(head_dim):
+        return tuple(p.astype(dtype) for p in parts)
+    exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
+    scale = _spread(scales[0], fmt.group_size // 4, width).astype(exact)
+    return tuple((p.astype(exact) * scale).astype(dtype) for p in parts)

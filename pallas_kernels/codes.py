@@ -128,3 +128,54 @@ def codes_to_bf16(raw, dtype: str, *, asm: bool) -> list:
     if asm:
         return [_asm(_FP8 if dtype == "float8_e4m3fn" else _INT8, raw)]
     return [raw.astype(jnp.bfloat16)]
+
+
+# V tiles read as 32-bit words (`cache_read.read_v_words`): a word holds the codes of four
+# channels 4j..4j+3 of one token, and output part c gets code c of each word. One asm block
+# takes two words (two tokens; `pack=2`) and gives their codes c as the two lanes of one
+# bf16x2 register, by the conversions above.
+def _word_int8(c: int) -> str:  # words already xor'ed with 0x80808080
+    sel = f"0x754{c}"
+    return (
+        "{\n.reg .b32 t, s, high;\nmov.b32 high, 0x4B000000;\n"
+        f"prmt.b32 t, $1, high, {sel};\nprmt.b32 s, $2, high, {sel};\n"
+        "sub.f32 t, t, 0f4B000080;\nsub.f32 s, s, 0f4B000080;\n"
+        "cvt.rn.bf16x2.f32 $0, s, t;\n}"
+    )
+
+
+def _word_fp8(c: int) -> str:  # the two codes c into the high bytes of the two lanes
+    sel = f"0x{4 + c}{4 + c}{c}{c}"
+    return (
+        "{\n.reg .b32 t, x, s, scale, zero;\n"
+        "mov.b32 scale, 0x7B807B80;\nmov.b32 zero, 0x80008000;\n"
+        f"prmt.b32 t, $1, $2, {sel};\n"
+        "shr.b32 x, t, 4;\nand.b32 x, x, 0x07F007F0;\nand.b32 s, t, 0x80008000;\n"
+        "or.b32 x, x, s;\nfma.rn.bf16x2 $0, x, scale, zero;\n}"
+    )
+
+
+def words_to_bf16(words, dtype: str, *, asm: bool) -> list:
+    """int32 words `[block, Dw]` of four int8 or float8_e4m3fn codes each -> four bfloat16
+    tiles `[block, Dw]`, part c holding each word's code c (channel 4j + c of a row).
+    asm: the packed PTX conversion (GPU); else shifts and casts (interpret mode)."""
+    if asm:
+        if dtype == "int8":
+            words = words ^ jnp.int32(-0x7F7F7F80)  # 0x80808080: each code's sign bit
+        code = _word_int8 if dtype == "int8" else _word_fp8
+        return [
+            plgpu.elementwise_inline_asm(
+                code(c), args=[words], constraints="=r,r,r", pack=2,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
+            )[0]
+            for c in range(4)
+        ]  # fmt: skip
+    parts = []
+    for c in range(4):
+        byte = (words >> (8 * c)) & 0xFF
+        if dtype == "int8":
+            parts.append(((byte ^ 0x80) - 0x80).astype(jnp.bfloat16))
+        else:
+            fp8 = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+            parts.append(fp8.astype(jnp.bfloat16))
+    return parts

@@ -1,6 +1,7 @@
-"""`pallas_kernels.codes.codes_to_bf16`: every stored code (all 256 bytes of INT8, FP8
-e4m3 and packed INT4) becomes the exact bfloat16 value, checked bit for bit against
-numpy (ml_dtypes' e4m3 decoding). On a GPU the packed PTX runs; on the CPU the kernel
+"""`pallas_kernels.codes.codes_to_bf16` and `words_to_bf16`: every stored code (all 256
+bytes of INT8, FP8 e4m3 and packed INT4; INT8 and FP8 also read four a 32-bit word)
+becomes the exact bfloat16 value, checked bit for bit against numpy (ml_dtypes' e4m3
+decoding). On a GPU the packed PTX runs; on the CPU the kernel
 runs the plain casts in interpret mode and the PTX path is lowered to Triton only."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import util
 
-from pallas_kernels.codes import codes_to_bf16
+from pallas_kernels.codes import codes_to_bf16, words_to_bf16
 from pallas_kernels.common import whole_array_call
 
 ROWS, COLS = 16, 64  # every byte value 4 times, in an order that mixes them
@@ -68,5 +69,48 @@ def test_every_code_converts_exactly(dtype):
 def test_packed_conversion_lowers_to_triton(dtype):
     spec = jax.ShapeDtypeStruct((ROWS, COLS), STORAGE[dtype])
     fn = jax.jit(functools.partial(convert, dtype=dtype, asm=True, interpret=False))
+    text = fn.trace(spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
+
+
+def _words_kernel(words_ref, *out_refs, dtype, asm):
+    for ref, values in zip(out_refs, words_to_bf16(words_ref[...], dtype, asm=asm), strict=True):
+        ref[...] = values
+
+
+def convert_words(words, dtype: str, *, asm: bool, interpret: bool):
+    return whole_array_call(
+        functools.partial(_words_kernel, dtype=dtype, asm=asm),
+        [words],
+        [jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)] * 4,
+        grid=(1,),
+        num_warps=4,
+        num_stages=1,
+        interpret=interpret,
+        name="words_to_bf16",
+    )
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_every_code_converts_exactly_from_words(dtype):
+    """Rows of ROWS x COLS codes read as int32 words (four channels each): part c holds
+    code c of every word, i.e. channels 4j + c, each the exact value."""
+    words = jax.lax.bitcast_convert_type(
+        jnp.asarray(BYTES.view(np.int8)).reshape(ROWS, COLS // 4, 4), jnp.int32
+    )
+    got = convert_words(words, dtype, asm=util.ON_GPU, interpret=not util.ON_GPU)
+    [want] = expected(dtype)
+    want = want.reshape(ROWS, COLS)
+    nan = np.isnan(BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32)).reshape(ROWS, COLS)
+    for c, g in enumerate(got):
+        g = np.asarray(g, np.float32)
+        keep = ~nan[:, c::4] if dtype == "float8_e4m3fn" else np.ones_like(g, bool)
+        np.testing.assert_array_equal(g[keep], want[:, c::4][keep], f"{dtype} part {c}")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_packed_word_conversion_lowers_to_triton(dtype):
+    spec = jax.ShapeDtypeStruct((ROWS, COLS // 4), jnp.int32)
+    fn = jax.jit(functools.partial(convert_words, dtype=dtype, asm=True, interpret=False))
     text = fn.trace(spec).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()

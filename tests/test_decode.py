@@ -183,21 +183,47 @@ def test_decode_heuristic_tilings(batch, context, want):
 )
 def test_decode_heuristic_tilings_quantized(batch, context, code, want, row_splits):
     """Quantized caches: 128-token blocks in 3 stages, split at least in two, into one
-    wave of two programs an SM; with a scale per token row about two programs an SM, and
-    INT8 then in 64-token blocks in 2 warps."""
-    config = jaxattn.PagedDecodeConfig.heuristic(batch, 8, context, 16, sm_count=132, code=code)
-    assert (config.block_kv, config.num_splits, config.num_warps, config.num_stages) == want
-    rows = jaxattn.PagedDecodeConfig.heuristic(
-        batch, 8, context, 16, sm_count=132, code=code, row_scales=True
+    wave of two programs an SM; with a scale per token row about two programs an SM.
+    INT8 and FP8 read V as words, INT4 as codes."""
+    heuristic = functools.partial(
+        jaxattn.PagedDecodeConfig.heuristic, batch, 8, context, 16, sm_count=132, code=code
     )
-    want = (64, row_splits, 2, 3) if code == "int8" else (*want[:1], row_splits, *want[2:])
-    assert (rows.block_kv, rows.num_splits, rows.num_warps, rows.num_stages) == want
+    words = code != "int4"
+    for config, splits in ((heuristic(), want[1]), (heuristic(row_scales=True), row_splits)):
+        got = (config.block_kv, config.num_splits, config.num_warps, config.num_stages)
+        assert got == (want[0], splits, *want[2:])
+        assert config.v_words == words
 
 
-def test_decode_picks_the_row_scale_tiling(monkeypatch):
-    """The op hands the heuristic the cache's granularity: INT8 with one group a row gets
-    64-token blocks in 2 warps, INT8 in groups of 8 the 128-token tiling."""
+@pytest.mark.parametrize(
+    "code, group_size, want",
+    [
+        ("int8", 8, (64, 2, 3, True)),  # groups of 8: 64-token blocks in 2 warps
+        ("float8_e4m3fn", 8, (64, 2, 3, True)),
+        ("float8_e4m3fn", 32, (128, 4, 3, False)),  # FP8 groups of 32: V read as codes
+        ("int8", 32, (128, 4, 3, True)),
+        ("float8_e4m3fn", 16, (128, 4, 3, True)),
+        ("int4", 8, (128, 4, 3, False)),
+    ],
+)
+def test_decode_heuristic_group_sizes(code, group_size, want):
+    """With >= one program per SM (B64, 8 kv heads) the group size picks the tiling; with
+    fewer (B8) every INT8 / FP8 group size reads V as words in 128-token blocks."""
+    heuristic = functools.partial(
+        jaxattn.PagedDecodeConfig.heuristic, sm_count=132, code=code, group_size=group_size
+    )
+    config = heuristic(64, 8, 16384, 16)
+    assert (config.block_kv, config.num_warps, config.num_stages, config.v_words) == want
+    few = heuristic(8, 8, 8192, 16)
+    assert (few.block_kv, few.num_warps, few.v_words) == (128, 4, code != "int4")
+
+
+def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
+    """The op hands the heuristic the cache's group size: on a GPU of as many SMs as
+    programs, INT8 in groups of 8 gets 64-token blocks in 2 warps, FP8 in groups of 32
+    V read as codes, INT8 with one group a row the 128-token tiling with V as words."""
     import jaxattn.decode as decode
+    import pallas_kernels.paged_decode.config as decode_config
 
     configs = []
     real = decode._paged_decode_kernel
@@ -207,16 +233,21 @@ def test_decode_picks_the_row_scale_tiling(monkeypatch):
         return real(*args, config=config, **kw)
 
     monkeypatch.setattr(decode, "_paged_decode_kernel", spy)
-    rng = util.rng_for("row-scale-tiling")
-    d, page, num_pages = _head_dim(), 8, 4
+    monkeypatch.setattr(decode_config, "device_sm_count", lambda default: 2)  # 1 x 2 programs
+    rng = util.rng_for("group-size-tiling")
+    d, page, num_pages = 64, 8, 4  # groups of 32 short of a row
     q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
     tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
-    for group_size, want in ((None, (64, 2, 3)), (8, (128, 4, 3))):
-        quant = jaxattn.KVQuant("int8", "group", group_size)
+    for dtype, group_size, want in (
+        ("int8", 8, (64, 2, 3, True)),
+        ("float8_e4m3fn", 32, (128, 4, 3, False)),
+        ("int8", None, (128, 4, 3, True)),
+    ):
+        quant = jaxattn.KVQuant(dtype, "group", group_size)
         cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
         jaxattn.paged_decode(q, cache, tables, lens, implementation="pallas")
         got = configs[-1]
-        assert (got.block_kv, got.num_warps, got.num_stages) == want, (quant, got)
+        assert (got.block_kv, got.num_warps, got.num_stages, got.v_words) == want, (quant, got)
 
 
 @pytest.mark.parametrize(
@@ -272,6 +303,25 @@ def test_quantized_decode_odd_head_dim(quant):
     _quantized_decode_vs_oracle(quant, "float32", "pallas", 80)
 
 
+@pytest.mark.parametrize(
+    "quant",
+    [jaxattn.KVQuant("int8"), jaxattn.KVQuant("int8", "group", 8),
+     jaxattn.KVQuant("float8_e4m3fn", "group", 16), jaxattn.KVQuant("float8_e4m3fn", "group", None),
+     jaxattn.KVQuant("int8", "group", 64)],
+    ids=str,
+)  # fmt: skip
+def test_quantized_decode_v_words(quant):
+    """Head dim 64: V read as 32-bit words (parts of 16 strided channels each, the group
+    scales spread over them) and as codes, with and without splits."""
+    from jaxattn.decode import cache_format
+    from pallas_kernels.cache_read import reads_v_words
+
+    scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
+    cache = jaxattn.PagedKVCache.create(1, 8, 2, 64, quant=quant, **scales)
+    assert reads_v_words(cache_format(cache), 64)
+    _quantized_decode_vs_oracle(quant, "float32", "pallas", 64)
+
+
 def _quantized_decode_vs_oracle(quant, dtype, impl, d):
     rng = util.rng_for("quant-decode", str(quant), dtype, d)
     page, max_pages, hkv, num_pages = 8, 10, 2, 64
@@ -299,12 +349,16 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d):
     )  # fmt: skip
     want = oracle()[0][:, 0]
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
-    for splits in (1, 2) if impl == "pallas" else (1,):  # xla: one run (no splits)
-        config = jaxattn.PagedDecodeConfig(16, splits) if impl == "pallas" else None
+    # (splits, V read as words where the format allows); xla: one run
+    runs = [(1, True), (2, True)] + [(2, False)] * (quant.dtype in ("int8", "float8_e4m3fn"))
+    for splits, v_words in runs if impl == "pallas" else [(1, True)]:
+        config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words)
         out = jaxattn.paged_decode(
-            q, cache, tables, lens, implementation=impl, config=config, **options
-        )
-        util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=f"{quant} splits {splits}")
+            q, cache, tables, lens, implementation=impl,
+            config=config if impl == "pallas" else None, **options,
+        )  # fmt: skip
+        what = f"{quant} splits {splits} v_words {v_words}"
+        util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=what)
 
 
 def test_combine_splits_vs_numpy():

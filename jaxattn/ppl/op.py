@@ -299,7 +299,7 @@ def _decode_rows(query, seqstarts, batch, table, cache, scale, options: _Options
     num_tokens, _, head_dim = query.shape
     decode_config = decode_config or PagedDecodeConfig.heuristic(
         len(kvlen), spec.num_kv_heads, options.max_kvlen, spec.table_page_size(cache),
-        code=fmt.dtype, row_scales=fmt.one_group_a_row,
+        code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
     )  # fmt: skip
     first = jnp.minimum(seqstarts[:-1], num_tokens - 1)
     out_d, _ = paged_decode(

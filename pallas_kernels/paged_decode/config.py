@@ -22,12 +22,16 @@ class PagedDecodeConfig:
       num_splits: the context is cut into this many chunks, each a program of its own,
         combined afterwards through their log-sum-exps (split-K / "multi-block" mode).
       num_warps, num_stages: Triton launch parameters.
+      v_words: 8-bit caches (INT8, FP8) read V as 32-bit words of four codes, dequantized
+        into four parts of strided channels (`cache_read.read_v_words`); ignored for
+        other formats and head dims (`cache_read.reads_v_words`).
     """
 
     block_kv: int = 64
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    v_words: bool = True
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -54,6 +58,7 @@ class PagedDecodeConfig:
         *,
         code: str | None = None,
         row_scales: bool = False,
+        group_size: int = 0,
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
@@ -82,12 +87,17 @@ class PagedDecodeConfig:
           14:51 UTC); 3 stages, with the kernel's table entries and scales loaded a step
           ahead (INT8 per tensor 0.81 ms against 0.90 in 2 stages, groups of 8 1.15
           against 1.28, INT4 per tensor 0.54 against 0.55 in 4 stages; 128x8 and 256x8
-          tilings 1.2-1.7x slower; probes of 2026-11-26, bench/HISTORY.md). INT8 with one
-          scale per token and head (`row_scales`: per-group scales, one group a row):
-          64-token blocks in 2 warps, 9-13% faster (B64 ctx16384 0.965 against 1.109 ms,
-          B8 ctx8192 0.097 against 0.107, B64 ctx2048 0.142 against 0.161); FP8 and INT4
-          rows, and INT8 per tensor, ran slower so (probes of 2026-11-26 03:55 and 04:25
-          UTC). Splits: as many as run two to an SM in one wave (two 128-token programs
+          tilings 1.2-1.7x slower; probes of 2026-11-26, bench/HISTORY.md).
+          INT8 and FP8 read V as words (`v_words`), 128-token blocks in 4 warps (probes
+          of 2026-11-26 09:32-09:41 UTC; B64 ctx16384 against codes read as bytes: INT8
+          per tensor 0.77 against 0.81 ms, groups of 32 0.88 against 0.99, one group a row
+          0.80 against 0.98 in its former 64x2 tiling; FP8 per tensor 0.78 against 0.82;
+          B8 ctx8192 12-26% faster for every group size), except with >= one program per
+          SM (`group_size`, channels a scale): groups of 8 in 64-token blocks of 2 warps
+          (INT8 0.98 against 1.03 ms, FP8 0.96 against 0.99), and FP8 groups of 32
+          with V read as codes (0.97 against 1.05-1.07 as words, measured twice).
+          INT4 reads its codes as bytes (V as words, in eight parts, ran 2-6x slower).
+          Splits: as many as run two to an SM in one wave (two 128-token programs
           of 3 stages fit an SM), not one more: B8 ctx8192 (64 programs) in 4 splits
           against 5: INT8 per tensor 0.063 against 0.070 ms, groups of 8 0.088 against
           0.119, INT4 0.046 against 0.049, INT4 groups of 32 0.061 against 0.065, FP8
@@ -113,7 +123,11 @@ class PagedDecodeConfig:
         if code is not None:  # at least two; without row scales, one wave unless two exceed it
             splits = max(splits if row_scales else 2 * sm_count // programs, 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
-        if code == "int8" and row_scales:
-            return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
-        stages = 2 if code is None else 3
-        return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=stages)
+        if code is None:
+            return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
+        words = code in ("int8", "float8_e4m3fn")
+        if programs >= sm_count and words and group_size == 8:
+            return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3, v_words=True)
+        if programs >= sm_count and code == "float8_e4m3fn" and group_size == 32:
+            words = False
+        return cls(block_kv, splits, num_warps=4, num_stages=3, v_words=words)

@@ -13,6 +13,10 @@ GPU busy when `batch * num_kv_heads` is small against the number of SMs. Chunks 
 length across the batch (the longest row's span over `num_splits`): in a ragged batch all
 busy programs finish together, and a short row's surplus programs exit at once.
 
+8-bit caches (INT8, FP8) may have V read as 32-bit words (`config.v_words`,
+`cache_read.read_v_words`): the PV dot then runs in four parts of strided channels
+(channels 4j + c), and the output is stored part by part.
+
 FP8 output (`out_dtype=float8_e4m3fn`): the normalised float32 result is quantized in the
 store (`combine.quantize_output`): by this kernel's epilogue without splits, by the
 combine kernel's with them (the partials stay float32).
@@ -42,9 +46,12 @@ from pallas_kernels.cache_read import (
     factored_scales,
     load_scales,
     read_kv,
+    read_v_words,
+    reads_v_words,
     ring_position,
     scaled_sum,
     scales_per_element,
+    v_word_columns,
 )
 from pallas_kernels.common import (
     LOG2E,
@@ -97,6 +104,7 @@ def _paged_decode_kernel(
     block_kv: int,
     num_splits: int,
     interpret: bool,
+    v_words: bool,
 ):
     refs = list(refs)
     k_scale_ref = v_scale_ref = None
@@ -225,7 +233,13 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        load_v = lambda: read(v_ref, kv=1, dtype=dtype, scales=v_scales)  # noqa: E731
+        if v_words:  # four parts of strided channels; a factored scale is one a row
+            load_v = functools.partial(read_v_words, v_ref, fmt, at, t_ok, head_dim, dtype,
+                                       v_scales, asm=not interpret)  # fmt: skip
+            if isinstance(v_scale, tuple):  # (a group of D channels given as such)
+                (v_scale,) = v_scale
+        else:
+            load_v = functools.partial(read, v_ref, kv=1, dtype=dtype, scales=v_scales)
         return softmax_update(state, s, load_v, precision, v_scale), next_loads
 
     def run_blocks(lo, hi, state):  # folds blocks [lo, hi) into the softmax state
@@ -240,7 +254,10 @@ def _paged_decode_kernel(
                               block_kv=block_kv)  # fmt: skip
     lo_b, start, end = split_blocks(spans, ctx, ctx_all, split, num_splits)
 
-    carry = softmax_init(rows, (len(dims),) * fmt.parts)
+    v_parts = [(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts)]
+    if v_words:  # V in parts of strided channels (cache_read.read_v_words)
+        v_parts = [(cols, cols >= 0) for cols in v_word_columns(head_dim)]
+    carry = softmax_init(rows, tuple(cols.shape[1] for cols, _ in v_parts))
     if has_new:
         # Split 0 stores the new token and attends to it first: the softmax state starts
         # from it, so nothing of it stays live through the loops (holding its logits and
@@ -260,9 +277,8 @@ def _paged_decode_kernel(
         carry = run_blocks(0, sink_b, carry)
     carry = run_blocks(start, end, carry)
     out, lse = softmax_finish(carry)
-    store_ok = row_ok[:, None] & dim_ok
-    for p, part in enumerate(out):
-        cols = p * part_dim + dims[None, :]
+    for part, (cols, cols_ok) in zip(out, v_parts, strict=True):
+        store_ok = row_ok[:, None] & cols_ok
         if split_out:
             plgpu.store(o_ref.at[b, heads[:, None], split, cols], part, mask=store_ok)
         else:
@@ -468,6 +484,11 @@ def paged_decode(
     if new_kv is not None:  # inputs 3 and 4 (the pools) come back updated
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pages, v_pages)]
         aliases = {3: 2, 4: 3}
+    v_words = config.v_words and reads_v_words(fmt, head_dim)
+    if v_words:  # V pool viewed as int32 words of four codes
+        inputs[4] = jax.lax.bitcast_convert_type(
+            v_pages.reshape(*v_pages.shape[:-1], v_pages.shape[-1] // 4, 4), jnp.int32
+        )
     kernel = functools.partial(
         _paged_decode_kernel,
         params=params,
@@ -486,6 +507,7 @@ def paged_decode(
         block_kv=config.block_kv,
         num_splits=splits,
         interpret=interpret,
+        v_words=v_words,
     )
     out, lse, *pools = whole_array_call(
         kernel,
