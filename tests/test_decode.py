@@ -171,57 +171,57 @@ def test_decode_heuristic_tilings(batch, context, want):
 
 
 @pytest.mark.parametrize(
-    "batch, context, code, want, row_splits",
-    [
-        (64, 16384, "int8", (128, 2, 4, 3), 2),  # at least two splits, 3 stages
-        (8, 8192, "int4", (128, 4, 4, 3), 5),  # one wave of two programs an SM
-        (16, 8192, "int8", (128, 2, 4, 3), 3),
-        (2, 8192, "int8", (128, 16, 4, 3), 17),
-        (1, 2048, "int8", (128, 8, 4, 3), 8),  # each split at least two blocks
-        (256, 2048, "float8_e4m3fn", (128, 2, 4, 3), 2),
+    "batch, context, code, want, want_rows",
+    [  # per tensor; one scale per token row
+        (64, 16384, "int8", (128, 2, 4, 4), (128, 2, 4, 3)),  # >= 2 splits; per tensor 4 stages
+        (8, 8192, "int4", (128, 4, 4, 3), (128, 5, 4, 3)),  # one wave of two programs an SM
+        (16, 8192, "int8", (128, 2, 4, 3), (128, 3, 4, 3)),
+        (2, 8192, "int8", (128, 16, 4, 3), (128, 17, 4, 3)),
+        (1, 2048, "int8", (128, 8, 4, 3), (128, 8, 4, 3)),  # each split at least two blocks
+        (256, 2048, "float8_e4m3fn", (128, 2, 4, 4), (128, 2, 4, 3)),
     ],
 )
-def test_decode_heuristic_tilings_quantized(batch, context, code, want, row_splits):
+def test_decode_heuristic_tilings_quantized(batch, context, code, want, want_rows):
     """Quantized caches: 128-token blocks in 3 stages, split at least in two, into one
     wave of two programs an SM; with a scale per token row about two programs an SM.
-    INT8 and FP8 read V as words, INT4 as codes."""
+    INT8 and FP8 per tensor with >= one program per SM: 4 stages."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, batch, 8, context, 16, sm_count=132, code=code
     )
-    words = code != "int4"
-    for config, splits in ((heuristic(), want[1]), (heuristic(row_scales=True), row_splits)):
+    for config, expected in ((heuristic(), want), (heuristic(row_scales=True), want_rows)):
         got = (config.block_kv, config.num_splits, config.num_warps, config.num_stages)
-        assert got == (want[0], splits, *want[2:])
-        assert config.v_words == words
+        assert got == expected
 
 
 @pytest.mark.parametrize(
     "code, group_size, want",
     [
-        ("int8", 8, (64, 2, 3, True)),  # groups of 8: 64-token blocks in 2 warps
-        ("float8_e4m3fn", 8, (64, 2, 3, True)),
-        ("float8_e4m3fn", 32, (128, 4, 3, False)),  # FP8 groups of 32: V read as codes
-        ("int8", 32, (128, 4, 3, True)),
-        ("float8_e4m3fn", 16, (128, 4, 3, True)),
-        ("int4", 8, (128, 4, 3, False)),
+        ("int8", 8, (64, 2, 3)),  # groups of 8: 64-token blocks in 2 warps
+        ("float8_e4m3fn", 8, (64, 2, 3)),
+        ("int8", 16, (128, 4, 4)),  # 4 stages
+        ("float8_e4m3fn", 32, (128, 4, 4)),
+        ("int8", 32, (128, 4, 3)),
+        ("float8_e4m3fn", 16, (128, 4, 3)),
+        ("int4", 8, (128, 4, 3)),
+        ("int4", 0, (128, 4, 3)),
     ],
 )
 def test_decode_heuristic_group_sizes(code, group_size, want):
     """With >= one program per SM (B64, 8 kv heads) the group size picks the tiling; with
-    fewer (B8) every INT8 / FP8 group size reads V as words in 128-token blocks."""
+    fewer (B8) every format and group size runs 128-token blocks in 3 stages."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, sm_count=132, code=code, group_size=group_size
     )
     config = heuristic(64, 8, 16384, 16)
-    assert (config.block_kv, config.num_warps, config.num_stages, config.v_words) == want
+    assert (config.block_kv, config.num_warps, config.num_stages) == want
     few = heuristic(8, 8, 8192, 16)
-    assert (few.block_kv, few.num_warps, few.v_words) == (128, 4, code != "int4")
+    assert (few.block_kv, few.num_warps, few.num_stages) == (128, 4, 3)
 
 
 def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
     """The op hands the heuristic the cache's group size: on a GPU of as many SMs as
     programs, INT8 in groups of 8 gets 64-token blocks in 2 warps, FP8 in groups of 32
-    V read as codes, INT8 with one group a row the 128-token tiling with V as words."""
+    4 stages, INT8 with one group a row (not per tensor) 3 stages."""
     import jaxattn.decode as decode
     import pallas_kernels.paged_decode.config as decode_config
 
@@ -239,15 +239,15 @@ def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
     q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
     tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
     for dtype, group_size, want in (
-        ("int8", 8, (64, 2, 3, True)),
-        ("float8_e4m3fn", 32, (128, 4, 3, False)),
-        ("int8", None, (128, 4, 3, True)),
+        ("int8", 8, (64, 2, 3)),
+        ("float8_e4m3fn", 32, (128, 4, 4)),
+        ("int8", None, (128, 4, 3)),
     ):
         quant = jaxattn.KVQuant(dtype, "group", group_size)
         cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
         jaxattn.paged_decode(q, cache, tables, lens, implementation="pallas")
         got = configs[-1]
-        assert (got.block_kv, got.num_warps, got.num_stages, got.v_words) == want, (quant, got)
+        assert (got.block_kv, got.num_warps, got.num_stages) == want, (quant, got)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,10 @@ _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
 _RESIDENT_PER_SM = 4  # 64x4x3 programs an SM holds at once (128 registers per thread)
 _LONG_CONTEXT = 8192  # tables this long split into about 16 programs per SM
 _LONG_PROGRAMS_PER_SM = 16
+# 8-bit caches (V read as words) with >= one program per SM: (code, channels a scale; 0 per
+# tensor) that ran best in 4 stages, and the group size run in 64-token blocks of 2 warps.
+_FOUR_STAGES = {("int8", 0), ("float8_e4m3fn", 0), ("int8", 16), ("float8_e4m3fn", 32)}
+_SMALL_BLOCK_GROUP = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +96,14 @@ class PagedDecodeConfig:
           of 2026-11-26 09:32-09:41 UTC; B64 ctx16384 against codes read as bytes: INT8
           per tensor 0.77 against 0.81 ms, groups of 32 0.88 against 0.99, one group a row
           0.80 against 0.98 in its former 64x2 tiling; FP8 per tensor 0.78 against 0.82;
-          B8 ctx8192 12-26% faster for every group size), except with >= one program per
-          SM (`group_size`, channels a scale): groups of 8 in 64-token blocks of 2 warps
-          (INT8 0.98 against 1.03 ms, FP8 0.96 against 0.99), and FP8 groups of 32
-          with V read as codes (0.97 against 1.05-1.07 as words, measured twice).
-          INT4 reads its codes as bytes (V as words, in eight parts, ran 2-6x slower).
+          B8 ctx8192 12-26% faster for every group size). With >= one program per SM
+          (`group_size`: channels a scale, 0 per tensor or, with `row_scales`, one a row):
+          groups of 8 in 64-token blocks of 2 warps (INT8 0.98 against 1.03 ms, FP8 0.96
+          against 0.99), and 4 stages where they ran best (probes of 10:08-10:12 UTC; 3-20%
+          slower for the other group sizes and at B8): per tensor (INT8 0.756 against
+          0.778, FP8 0.758 against 0.787), INT8 groups of 16 (0.926 against 1.019), FP8
+          groups of 32 (0.900 against 0.959-1.065). INT4 reads its codes as bytes (V as
+          words, in eight parts, ran 2-6x slower; `reads_v_words` leaves INT4 out).
           Splits: as many as run two to an SM in one wave (two 128-token programs
           of 3 stages fit an SM), not one more: B8 ctx8192 (64 programs) in 4 splits
           against 5: INT8 per tensor 0.063 against 0.070 ms, groups of 8 0.088 against
@@ -125,9 +132,9 @@ class PagedDecodeConfig:
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
         if code is None:
             return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
-        words = code in ("int8", "float8_e4m3fn")
-        if programs >= sm_count and words and group_size == 8:
-            return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3, v_words=True)
-        if programs >= sm_count and code == "float8_e4m3fn" and group_size == 32:
-            words = False
-        return cls(block_kv, splits, num_warps=4, num_stages=3, v_words=words)
+        if programs >= sm_count and code != "int4":
+            if group_size == _SMALL_BLOCK_GROUP:
+                return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
+            if (code, group_size) in _FOUR_STAGES and not row_scales:
+                return cls(block_kv, splits, num_warps=4, num_stages=4)
+        return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=3)
