@@ -21,7 +21,12 @@ from jaxattn.cache import PagedKVCache
 from jaxattn.dispatch import run_first
 from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, Out, run_sharded
 from pallas_kernels.common import use_interpret
-from pallas_kernels.paged_decode import CacheFormat, DecodeParams, PagedDecodeConfig
+from pallas_kernels.paged_decode import (
+    CacheFormat,
+    DecodeParams,
+    PagedDecodeConfig,
+    reads_v_words,
+)
 from pallas_kernels.paged_decode import paged_decode as _paged_decode_kernel
 
 __all__ = ["contiguous_kv_cache", "paged_decode", "validate_page_table"]
@@ -191,6 +196,7 @@ def default_decode_config(cache: PagedKVCache, batch: int, max_context: int) -> 
     return PagedDecodeConfig.heuristic(
         batch, cache.num_kv_heads, max_context, cache.page_size,
         code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
+        v_words=reads_v_words(fmt, cache.head_dim),
     )  # fmt: skip
 
 

@@ -17,6 +17,10 @@ j, so a tile comes out as two halves ("parts"): channels `[0, D/2)` and `[D/2, D
 kernel keeps the query and the output in the same parts (dots per part, summed), so the
 nibbles never need interleaving.
 
+8-bit V tiles may instead be read as 32-bit words of four codes (`read_v_words`): the PV
+dot then runs in four parts of strided channels (part c: channels 4j + c), whose outputs
+the kernel stores to those channels.
+
 Where rows are (`PoolLayout`): our pools are `[N, Hkv, P, Dp]` pages, a block-table
 entry a page id; OpenPPL's caches are one array of token rows holding K and V of every
 layer (e.g. `[MaxT, L, 2, H, Dh]`), a block-table entry the token offset where a page
@@ -347,7 +351,8 @@ def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int
 
 def reads_v_words(fmt: CacheFormat, head_dim: int) -> bool:
     """V tiles of this format can be read as 32-bit words (`read_v_words`): 8-bit codes,
-    D / 4 a power of two of at least 16 (a dot's width), groups of 4 channels or more."""
+    D / 4 a power of two of at least 16 (a dot's width), groups of a multiple of 4
+    channels (a word's codes share a scale)."""
     width = head_dim // 4
     return (
         fmt.dtype in ("int8", "float8_e4m3fn")
@@ -368,7 +373,8 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     """A V tile of `block` tokens read as int32 words from `ref` (the V pool viewed as
     `[..., D / 4]` int32, four codes a word): four parts `[block, D / 4]` of `dtype`, part
     c holding channels `4j + c` (`v_word_columns`), dequantized except for factored
-    scales. Arguments as `read_kv`.
+    scales. `at`, `t_ok`, `head_dim`, `dtype`: as `read_kv`; `scales`: what `load_scales`
+    gave for V (finer groups: a one-part tuple of `[block, groups]`).
 
     Why: the PV dot takes V as its B operand, which wants two consecutive tokens of one
     channel in a register. Read as codes `[block, D]`, Triton gathers those with a

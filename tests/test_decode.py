@@ -18,6 +18,8 @@ import util
 from oracle import attention_oracle
 
 import jaxattn
+from jaxattn.decode import cache_format
+from pallas_kernels.paged_decode import reads_v_words
 
 impls = pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
 
@@ -219,9 +221,10 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
 
 
 def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
-    """The op hands the heuristic the cache's group size: on a GPU of as many SMs as
-    programs, INT8 in groups of 8 gets 64-token blocks in 2 warps, FP8 in groups of 32
-    4 stages, INT8 with one group a row (not per tensor) 3 stages."""
+    """The op hands the heuristic the cache's group size and whether V is read as words:
+    on a GPU of as many SMs as programs, INT8 in groups of 8 gets 64-token blocks in 2
+    warps, FP8 in groups of 32 4 stages, INT8 with one group a row (not per tensor) 3
+    stages; at head dim 32 (no words) that one 64-token blocks in 2 warps."""
     import jaxattn.decode as decode
     import pallas_kernels.paged_decode.config as decode_config
 
@@ -235,14 +238,15 @@ def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
     monkeypatch.setattr(decode, "_paged_decode_kernel", spy)
     monkeypatch.setattr(decode_config, "device_sm_count", lambda default: 2)  # 1 x 2 programs
     rng = util.rng_for("group-size-tiling")
-    d, page, num_pages = 64, 8, 4  # groups of 32 short of a row
-    q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
+    page, num_pages = 8, 4
     tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
-    for dtype, group_size, want in (
-        ("int8", 8, (64, 2, 3)),
-        ("float8_e4m3fn", 32, (128, 4, 4)),
-        ("int8", None, (128, 4, 3)),
+    for dtype, group_size, d, want in (  # d 64: groups of 32 short of a row
+        ("int8", 8, 64, (64, 2, 3)),
+        ("float8_e4m3fn", 32, 64, (128, 4, 4)),
+        ("int8", None, 64, (128, 4, 3)),
+        ("int8", None, 32, (64, 2, 3)),
     ):
+        q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
         quant = jaxattn.KVQuant(dtype, "group", group_size)
         cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
         jaxattn.paged_decode(q, cache, tables, lens, implementation="pallas")
@@ -306,20 +310,43 @@ def test_quantized_decode_odd_head_dim(quant):
 @pytest.mark.parametrize(
     "quant",
     [jaxattn.KVQuant("int8"), jaxattn.KVQuant("int8", "group", 8),
-     jaxattn.KVQuant("float8_e4m3fn", "group", 16), jaxattn.KVQuant("float8_e4m3fn", "group", None),
-     jaxattn.KVQuant("int8", "group", 64)],
+     jaxattn.KVQuant("float8_e4m3fn", "group", 16),
+     jaxattn.KVQuant("float8_e4m3fn", "group", None)],
     ids=str,
 )  # fmt: skip
 def test_quantized_decode_v_words(quant):
     """Head dim 64: V read as 32-bit words (parts of 16 strided channels each, the group
-    scales spread over them) and as codes, with and without splits."""
-    from jaxattn.decode import cache_format
-    from pallas_kernels.cache_read import reads_v_words
-
+    scales spread over them) and as codes, with and without splits. The words path runs
+    when asked: the kernel then takes the V pool as int32."""
     scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
-    cache = jaxattn.PagedKVCache.create(1, 8, 2, 64, quant=quant, **scales)
-    assert reads_v_words(cache_format(cache), 64)
+    cache = jaxattn.PagedKVCache.create(4, 8, 2, 64, quant=quant, **scales)
+    q = jnp.zeros((1, NUM_Q_HEADS, 64), jnp.float32)
+    tables, lens = jnp.arange(4, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
+    for v_words in (True, False):
+        config = jaxattn.PagedDecodeConfig(16, 1, v_words=v_words)
+        decode = functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
+        text = str(jax.make_jaxpr(decode)(q, cache, tables, lens))
+        assert ("bitcast_convert_type[new_dtype=int32" in text) == v_words
     _quantized_decode_vs_oracle(quant, "float32", "pallas", 64)
+
+
+@pytest.mark.skipif(
+    not util.ON_GPU,
+    reason="XLA:CPU expands the int32 view of the V pool into a copy (interpret mode only)",
+)
+def test_v_words_view_is_no_copy():
+    """On the GPU the int32 view of an 8-bit V pool is a bitcast: the compiled decode
+    call holds no temporary near the pool's size."""
+    quant = jaxattn.KVQuant("int8", "group", 8)
+    d, page, num_pages, batch = 128, 16, 512, 4
+    cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
+    q = jnp.zeros((batch, NUM_Q_HEADS, d), jnp.bfloat16)
+    tables = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, -1)
+    lens = jnp.full((batch,), num_pages // batch * page, jnp.int32)
+    config = jaxattn.PagedDecodeConfig(64, 2, 2, 3, v_words=True)
+    decode = functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
+    compiled = jax.jit(decode).lower(q, cache, tables, lens).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < cache.v_pages.nbytes // 4
 
 
 def _quantized_decode_vs_oracle(quant, dtype, impl, d):
@@ -350,7 +377,8 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d):
     want = oracle()[0][:, 0]
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
     # (splits, V read as words where the format allows); xla: one run
-    runs = [(1, True), (2, True)] + [(2, False)] * (quant.dtype in ("int8", "float8_e4m3fn"))
+    words = reads_v_words(cache_format(cache), d)
+    runs = [(1, True), (2, True)] + [(2, False)] * words
     for splits, v_words in runs if impl == "pallas" else [(1, True)]:
         config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words)
         out = jaxattn.paged_decode(

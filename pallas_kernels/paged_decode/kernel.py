@@ -86,7 +86,8 @@ def _paged_decode_kernel(
     table_ref,  # [B, max_pages] int32
     q_ref,  # [B, Hq, D]
     k_ref,
-    v_ref,  # [N, Hkv, P, Dp]: float, or quantized as `fmt` says (int4: Dp = D / 2)
+    v_ref,  # [N, Hkv, P, Dp]: float, or quantized as `fmt` says (int4: Dp = D / 2);
+    # with `v_words` the V pool viewed as int32 words, [N, Hkv, P, D / 4]
     *refs,
     params: DecodeParams,
     fmt: CacheFormat,
@@ -125,7 +126,8 @@ def _paged_decode_kernel(
 
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, max_pages = fmt.layout.page_size_of(k_ref), table_ref.shape[1]
-    # Columns come in `fmt.parts` parts of D / parts channels (two for INT4: cache_read).
+    # q, K (and V read as codes) come in `fmt.parts` parts of D / parts channels (two for
+    # INT4: cache_read); V read as words in four parts of strided channels.
     part_dim = head_dim // fmt.parts
     dims = jnp.arange(dot_width(part_dim))
     dim_ok = dims[None, :] < part_dim  # [1, Pd]
@@ -254,9 +256,10 @@ def _paged_decode_kernel(
                               block_kv=block_kv)  # fmt: skip
     lo_b, start, end = split_blocks(spans, ctx, ctx_all, split, num_splits)
 
+    # The output's parts: (columns [1, W], which are channels [1, W]).
     v_parts = [(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts)]
-    if v_words:  # V in parts of strided channels (cache_read.read_v_words)
-        v_parts = [(cols, cols >= 0) for cols in v_word_columns(head_dim)]
+    if v_words:  # V in parts of strided channels (cache_read.read_v_words), all channels
+        v_parts = [(cols, jnp.full(cols.shape, True)) for cols in v_word_columns(head_dim)]
     carry = softmax_init(rows, tuple(cols.shape[1] for cols, _ in v_parts))
     if has_new:
         # Split 0 stores the new token and attends to it first: the softmax state starts
@@ -485,7 +488,8 @@ def paged_decode(
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pages, v_pages)]
         aliases = {3: 2, 4: 3}
     v_words = config.v_words and reads_v_words(fmt, head_dim)
-    if v_words:  # V pool viewed as int32 words of four codes
+    if v_words:  # V pool viewed as int32 words of four codes: a bitcast on XLA:GPU, but
+        # XLA:CPU (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
         inputs[4] = jax.lax.bitcast_convert_type(
             v_pages.reshape(*v_pages.shape[:-1], v_pages.shape[-1] // 4, 4), jnp.int32
         )
