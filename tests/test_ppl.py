@@ -212,6 +212,16 @@ def test_int4_decode_over_several_blocks():
     check(case, run(case, "pallas", decode_config=jaxattn.PagedDecodeConfig(16, 2)))
 
 
+@pytest.mark.parametrize("cache_layout", [0, 3])
+def test_int8_v_words_in_place(cache_layout):
+    """Head dim 64: the decode kernel reads V as 32-bit words (parts of strided channels)
+    from PPL's caches in place; layout 0 holds K and V of every layer in one array, so V
+    is an int32 view of the whole cache read at its own K/V and layer index."""
+    case = case_for("v words", cache_layout=cache_layout, cache_mode=1, quant_bit=8,
+                    head_dim=64, dtype="float16")  # fmt: skip
+    check(case, run(case, "pallas"))
+
+
 @pytest.mark.parametrize("quant_bit", [0, 8, 4])
 @pytest.mark.parametrize("cache_mode", [0, 1])
 @pytest.mark.parametrize("cache_layout", [0, 1, 2, 3])
