@@ -35,7 +35,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.codes import codes_to_bf16, int4_nibbles, words_to_bf16
+from pallas_kernels.codes import codes_to_bf16, int4_nibbles, words_to_values
 from pallas_kernels.common import dot_width, next_power_of_2
 
 _ROW_AXES = ("page", "offset", "token")
@@ -386,9 +386,9 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     index = fmt.layout.index(ref, entries, offsets, kvh, 1)
     width = head_dim // 4
     raw = plgpu.load(ref.at[(*index, jnp.arange(width)[None, :])], mask=t_ok[:, None], other=0)
-    parts = words_to_bf16(raw, fmt.dtype, asm=asm and dtype == jnp.bfloat16)
-    if fmt.factored(head_dim):
-        return tuple(p.astype(dtype) for p in parts)
+    if fmt.factored(head_dim):  # the codes' values; the caller applies the scales
+        return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm and dtype == jnp.bfloat16))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
+    parts = words_to_values(raw, fmt.dtype, exact, asm=asm and exact == jnp.bfloat16)
     scale = _spread(scales[0], fmt.group_size // 4, width).astype(exact)
-    return tuple((p.astype(exact) * scale).astype(dtype) for p in parts)
+    return tuple((p * scale).astype(dtype) for p in parts)

@@ -155,17 +155,20 @@ def _word_fp8(c: int) -> str:  # the two codes c into the high bytes of the two 
     )
 
 
-def words_to_bf16(words, dtype: str, *, asm: bool) -> list:
-    """int32 words `[block, Dw]` of four int8 or float8_e4m3fn codes each -> four bfloat16
-    tiles `[block, Dw]`, part c holding each word's code c (channel 4j + c of a row).
-    asm: the packed PTX conversion (GPU); else shifts and casts (interpret mode)."""
+def words_to_values(words, code: str, dtype, *, asm: bool) -> list:
+    """int32 words `[block, Dw]` of four int8 or float8_e4m3fn codes each (`code`) -> four
+    tiles `[block, Dw]` of `dtype`, part c holding each word's code c (channel 4j + c of a
+    row); every value exact. asm: the packed PTX conversion (GPU, `dtype` bfloat16); else
+    shifts and one cast a part (interpret mode, and float16 / float32 queries)."""
     if asm:
-        if dtype == "int8":
+        if dtype != jnp.bfloat16:
+            raise ValueError(f"words_to_values: the PTX conversion gives bfloat16, not {dtype}")
+        if code == "int8":
             words = words ^ jnp.int32(-0x7F7F7F80)  # 0x80808080: each code's sign bit
-        code = _word_int8 if dtype == "int8" else _word_fp8
+        program = _word_int8 if code == "int8" else _word_fp8
         return [
             plgpu.elementwise_inline_asm(
-                code(c), args=[words], constraints="=r,r,r", pack=2,
+                program(c), args=[words], constraints="=r,r,r", pack=2,
                 result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
             )[0]
             for c in range(4)
@@ -173,9 +176,9 @@ def words_to_bf16(words, dtype: str, *, asm: bool) -> list:
     parts = []
     for c in range(4):
         byte = (words >> (8 * c)) & 0xFF
-        if dtype == "int8":
-            parts.append(((byte ^ 0x80) - 0x80).astype(jnp.bfloat16))
+        if code == "int8":
+            parts.append(((byte ^ 0x80) - 0x80).astype(dtype))
         else:
             fp8 = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
-            parts.append(fp8.astype(jnp.bfloat16))
+            parts.append(fp8.astype(dtype))
     return parts

@@ -1,4 +1,4 @@
-"""`pallas_kernels.codes.codes_to_bf16` and `words_to_bf16`: every stored code (all 256
+"""`pallas_kernels.codes.codes_to_bf16` and `words_to_values`: every stored code (all 256
 bytes of INT8, FP8 e4m3 and packed INT4; INT8 and FP8 also read four a 32-bit word)
 becomes the exact bfloat16 value, checked bit for bit against numpy (ml_dtypes' e4m3
 decoding). On a GPU the packed PTX runs; on the CPU the kernel
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import util
 
-from pallas_kernels.codes import codes_to_bf16, words_to_bf16
+from pallas_kernels.codes import codes_to_bf16, words_to_values
 from pallas_kernels.common import whole_array_call
 
 ROWS, COLS = 16, 64  # every byte value 4 times, in an order that mixes them
@@ -74,8 +74,9 @@ def test_packed_conversion_lowers_to_triton(dtype):
 
 
 def _words_kernel(words_ref, *out_refs, dtype, asm):
-    for ref, values in zip(out_refs, words_to_bf16(words_ref[...], dtype, asm=asm), strict=True):
-        ref[...] = values
+    values = words_to_values(words_ref[...], dtype, jnp.bfloat16, asm=asm)
+    for ref, part in zip(out_refs, values, strict=True):
+        ref[...] = part
 
 
 def convert_words(words, dtype: str, *, asm: bool, interpret: bool):
@@ -87,7 +88,7 @@ def convert_words(words, dtype: str, *, asm: bool, interpret: bool):
         num_warps=4,
         num_stages=1,
         interpret=interpret,
-        name="words_to_bf16",
+        name="words_to_values",
     )
 
 

@@ -223,6 +223,31 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
     assert "triton" in text
 
 
+@pytest.mark.parametrize(
+    "quant", [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("float8_e4m3fn")], ids=str
+)
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("v_words", [True, False])
+def test_v_words_lower_to_triton(quant, q_dtype, v_words):
+    """V read as words (PTX for bf16 queries, shifts and casts for the others) or as codes."""
+    config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=2, v_words=v_words)
+    fn = jax.jit(
+        lambda q, cache, tables, lengths: jaxattn.paged_decode(
+            q, cache, tables, lengths, implementation="pallas", config=config
+        )
+    )
+    head_dim = 128
+    pages = _spec((64, 8, 16, head_dim), quant.storage_dtype)
+    if quant.granularity == "tensor":
+        scales = (_spec((), jnp.float32),) * 2
+    else:
+        scales = (_spec((64, 8, 16, quant.num_groups(head_dim)), jnp.bfloat16),) * 2
+    cache = jaxattn.PagedKVCache(pages, pages, *scales, quant=quant)
+    text = _lower(fn, _spec((4, 32, head_dim), q_dtype), cache, _spec((4, 128), jnp.int32),
+                  _spec((4,), jnp.int32))  # fmt: skip
+    assert "triton" in text
+
+
 def _meta_spec(num_tokens, num_seqs, max_pages, ring=None, decode_only=False):
     i32 = lambda *shape: _spec(shape, jnp.int32)  # noqa: E731
     return jaxattn.AttentionMetadata(
