@@ -97,11 +97,12 @@ class PagedDecodeConfig:
           of 2026-11-26 09:32-09:41 UTC; B64 ctx16384 against codes read as bytes: INT8
           per tensor 0.77 against 0.81 ms, groups of 32 0.88 against 0.99, one group a row
           0.80 against 0.98 in its former 64x2 tiling; FP8 per tensor 0.78 against 0.82;
-          B8 ctx8192 12-26% faster for every group size). With >= one program per SM
+          B8 ctx8192 10-26% faster, but for FP8 groups of 16 and 64 and INT8 groups of
+          16, within 3%). With >= one program per SM
           (`group_size`: channels a scale, 0 per tensor or, with `row_scales`, one a row):
           groups of 8 in 64-token blocks of 2 warps (INT8 0.98 against 1.03 ms, FP8 0.96
-          against 0.99), and 4 stages where they ran best (probes of 10:08-10:12 UTC; 3-20%
-          slower for the other group sizes and at B8): per tensor (INT8 0.756 against
+          against 0.99), and 4 stages where they ran best (probes of 09:53-09:57 UTC; 5-28%
+          slower for the other group sizes, no faster at B8): per tensor (INT8 0.756 against
           0.778, FP8 0.758 against 0.787), INT8 groups of 16 (0.926 against 1.019), FP8
           groups of 32 (0.900 against 0.959-1.065). INT4 reads its codes as bytes (V as
           words, in eight parts, ran 2-6x slower; `reads_v_words` leaves INT4 out).
