@@ -21,12 +21,7 @@ from jaxattn.cache import PagedKVCache
 from jaxattn.dispatch import run_first
 from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, Out, run_sharded
 from pallas_kernels.common import use_interpret
-from pallas_kernels.paged_decode import (
-    CacheFormat,
-    DecodeParams,
-    PagedDecodeConfig,
-    reads_v_words,
-)
+from pallas_kernels.paged_decode import CacheFormat, DecodeParams, PagedDecodeConfig
 from pallas_kernels.paged_decode import paged_decode as _paged_decode_kernel
 
 __all__ = ["contiguous_kv_cache", "paged_decode", "validate_page_table"]
@@ -191,12 +186,10 @@ def paged_decode(
 
 def default_decode_config(cache: PagedKVCache, batch: int, max_context: int) -> PagedDecodeConfig:
     """The decode kernel's tiling for `batch` rows over `cache` with tables of `max_context`
-    tokens when none is given: `PagedDecodeConfig.heuristic` for the cache's format."""
-    fmt = cache_format(cache)
-    return PagedDecodeConfig.heuristic(
-        batch, cache.num_kv_heads, max_context, cache.page_size,
-        code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
-        v_words=reads_v_words(fmt, cache.head_dim),
+    tokens when none is given: `PagedDecodeConfig.for_format` of the cache's format."""
+    return PagedDecodeConfig.for_format(
+        cache_format(cache), cache.head_dim, batch, cache.num_kv_heads, max_context,
+        cache.page_size,
     )  # fmt: skip
 
 

@@ -351,14 +351,16 @@ def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int
 
 def reads_v_words(fmt: CacheFormat, head_dim: int) -> bool:
     """V tiles of this format can be read as 32-bit words (`read_v_words`): 8-bit codes,
-    D / 4 a power of two of at least 16 (a dot's width), groups of a multiple of 4
-    channels (a word's codes share a scale)."""
+    D / 4 a power of two of at least 16 (a dot's width), and one scale a row or groups of
+    a multiple of 4 channels (a word's codes share a scale). (A group of D given as such,
+    which `jaxattn` stores as one a row, reads codes: its scales come per part.)"""
     width = head_dim // 4
     return (
         fmt.dtype in ("int8", "float8_e4m3fn")
         and head_dim % 4 == 0
         and dot_width(width) == width
-        and (fmt.factored(head_dim) or fmt.group_size % 4 == 0)
+        and not fmt.part_scales(head_dim)
+        and (fmt.row_scales or fmt.group_size % 4 == 0)
     )
 
 

@@ -44,8 +44,9 @@ _HIGH_BYTES = ("0x1404", "0x3424")
 
 def _program(constants: dict[str, str], steps: str, selectors, prelude: str = "") -> str:
     """One asm block: registers t, x, s, y, z (= 0) and `constants`, `prelude`, then
-    `steps` once per output register, with `{out}` and `{sel}` (its byte permute, or a
-    tuple of them) filled in; `$2` is the input register (four codes)."""
+    `steps` once per output register ($0, $1, ...), with `{out}` and `{sel}` (its byte
+    permute, or a tuple of them) filled in; the inputs follow the outputs (four codes in
+    $2 after two outputs; two words in $1, $2 after one)."""
     lines = [f".reg .b32 t, x, s, y, z, {', '.join(constants)};", "mov.b32 z, 0;"]
     lines += [f"mov.b32 {name}, {value};" for name, value in constants.items()]
     lines += [prelude] if prelude else []
@@ -53,17 +54,15 @@ def _program(constants: dict[str, str], steps: str, selectors, prelude: str = ""
     return "{\n" + "\n".join(lines) + "\n" + body + "}"
 
 
-_FP8 = _program(
-    dict(scale="0x7B807B80", zero="0x80008000"),  # 2**120 and -0.0, twice
-    """prmt.b32 t, $2, z, {sel};
-shr.b32 x, t, 4;
+_FP8_CONSTANTS = dict(scale="0x7B807B80", zero="0x80008000")  # 2**120 and -0.0, twice
+# From a lane holding a code in its high byte (t) to the bf16 value ({out}).
+_FP8_LANES = """shr.b32 x, t, 4;
 and.b32 x, x, 0x07F007F0;
 and.b32 s, t, 0x80008000;
 or.b32 x, x, s;
 fma.rn.bf16x2 {out}, x, scale, zero;
-""",
-    _HIGH_BYTES,
-)
+"""
+_FP8 = _program(_FP8_CONSTANTS, "prmt.b32 t, $2, z, {sel};\n" + _FP8_LANES, _HIGH_BYTES)
 
 # INT4: low nibbles, high nibbles (the input shifted once); one result per asm block
 # (Pallas lowers a multi-result `elementwise_inline_asm` to a single value). lop3 0x6A:
@@ -86,14 +85,15 @@ fma.rn.bf16x2 {{out}}, x, one, bias;
 # 0x4B 00 00 is the float32 2**23 + c + 128; minus 2**23 + 128 it is c, exactly; two such
 # float32 become one bf16x2 register (exact: |c| <= 128). Byte permutes: code k of x under
 # the bytes of `high`.
-_INT8 = _program(
-    dict(high="0x4B000000"),
-    """prmt.b32 t, x, high, {sel[0]};
-prmt.b32 s, x, high, {sel[1]};
-sub.f32 t, t, 0f4B000080;
+_INT8_CONSTANTS = dict(high="0x4B000000")
+# From two such float32 (t: the lower lane, s: the upper) to the bf16x2 {out}.
+_INT8_PAIR = """sub.f32 t, t, 0f4B000080;
 sub.f32 s, s, 0f4B000080;
 cvt.rn.bf16x2.f32 {out}, s, t;
-""",
+"""
+_INT8 = _program(
+    _INT8_CONSTANTS,
+    "prmt.b32 t, x, high, {sel[0]};\nprmt.b32 s, x, high, {sel[1]};\n" + _INT8_PAIR,
     (("0x7540", "0x7541"), ("0x7542", "0x7543")),
     prelude="xor.b32 x, $2, 0x80808080;",
 )
@@ -135,24 +135,13 @@ def codes_to_bf16(raw, dtype: str, *, asm: bool) -> list:
 # takes two words (two tokens; `pack=2`) and gives their codes c as the two lanes of one
 # bf16x2 register, by the conversions above.
 def _word_int8(c: int) -> str:  # words already xor'ed with 0x80808080
-    sel = f"0x754{c}"
-    return (
-        "{\n.reg .b32 t, s, high;\nmov.b32 high, 0x4B000000;\n"
-        f"prmt.b32 t, $1, high, {sel};\nprmt.b32 s, $2, high, {sel};\n"
-        "sub.f32 t, t, 0f4B000080;\nsub.f32 s, s, 0f4B000080;\n"
-        "cvt.rn.bf16x2.f32 $0, s, t;\n}"
-    )
+    steps = "prmt.b32 t, $1, high, {sel};\nprmt.b32 s, $2, high, {sel};\n" + _INT8_PAIR
+    return _program(_INT8_CONSTANTS, steps, (f"0x754{c}",))
 
 
 def _word_fp8(c: int) -> str:  # the two codes c into the high bytes of the two lanes
-    sel = f"0x{4 + c}{4 + c}{c}{c}"
-    return (
-        "{\n.reg .b32 t, x, s, scale, zero;\n"
-        "mov.b32 scale, 0x7B807B80;\nmov.b32 zero, 0x80008000;\n"
-        f"prmt.b32 t, $1, $2, {sel};\n"
-        "shr.b32 x, t, 4;\nand.b32 x, x, 0x07F007F0;\nand.b32 s, t, 0x80008000;\n"
-        "or.b32 x, x, s;\nfma.rn.bf16x2 $0, x, scale, zero;\n}"
-    )
+    return _program(_FP8_CONSTANTS, "prmt.b32 t, $1, $2, {sel};\n" + _FP8_LANES,
+                    (f"0x{4 + c}{4 + c}{c}{c}",))  # fmt: skip
 
 
 def words_to_values(words, code: str, dtype, *, asm: bool) -> list:

@@ -19,7 +19,7 @@ from oracle import attention_oracle
 
 import jaxattn
 from jaxattn.decode import cache_format
-from pallas_kernels.paged_decode import reads_v_words
+from pallas_kernels.cache_read import reads_v_words
 
 impls = pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
 

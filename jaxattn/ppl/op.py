@@ -31,12 +31,7 @@ from pallas_kernels.flash_prefill import (
     LogitParams,
     flash_prefill,
 )
-from pallas_kernels.paged_decode import (
-    DecodeParams,
-    PagedDecodeConfig,
-    paged_decode,
-    reads_v_words,
-)
+from pallas_kernels.paged_decode import DecodeParams, PagedDecodeConfig, paged_decode
 
 __all__ = ["check_inputs", "multi_head_cache_attention"]
 
@@ -302,10 +297,9 @@ def _decode_rows(query, seqstarts, batch, table, cache, scale, options: _Options
     output `out` (None: every row has one token); `batch`: each token's batch."""
     spec = options.cache
     num_tokens, _, head_dim = query.shape
-    decode_config = decode_config or PagedDecodeConfig.heuristic(
-        len(kvlen), spec.num_kv_heads, options.max_kvlen, spec.table_page_size(cache),
-        code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
-        v_words=reads_v_words(fmt, head_dim),
+    decode_config = decode_config or PagedDecodeConfig.for_format(
+        fmt, head_dim, len(kvlen), spec.num_kv_heads, options.max_kvlen,
+        spec.table_page_size(cache),
     )  # fmt: skip
     first = jnp.minimum(seqstarts[:-1], num_tokens - 1)
     out_d, _ = paged_decode(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.cache_read import CacheFormat, reads_v_words
 from pallas_kernels.common import device_sm_count
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
@@ -147,3 +148,20 @@ class PagedDecodeConfig:
         if code == "int8" and row_scales and not words:
             return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
         return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=3)
+
+    @classmethod
+    def for_format(
+        cls,
+        fmt: CacheFormat,
+        head_dim: int,
+        batch: int,
+        num_kv_heads: int,
+        max_context: int,
+        page_size: int,
+    ) -> PagedDecodeConfig:
+        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim."""
+        return cls.heuristic(
+            batch, num_kv_heads, max_context, page_size,
+            code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
+            v_words=reads_v_words(fmt, head_dim),
+        )  # fmt: skip

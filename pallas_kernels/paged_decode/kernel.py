@@ -238,8 +238,6 @@ def _paged_decode_kernel(
         if v_words:  # four parts of strided channels; a factored scale is one a row
             load_v = functools.partial(read_v_words, v_ref, fmt, at, t_ok, head_dim, dtype,
                                        v_scales, asm=not interpret)  # fmt: skip
-            if isinstance(v_scale, tuple):  # (a group of D channels given as such)
-                (v_scale,) = v_scale
         else:
             load_v = functools.partial(read, v_ref, kv=1, dtype=dtype, scales=v_scales)
         return softmax_update(state, s, load_v, precision, v_scale), next_loads
