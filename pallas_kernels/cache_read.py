@@ -17,9 +17,10 @@ j, so a tile comes out as two halves ("parts"): channels `[0, D/2)` and `[D/2, D
 kernel keeps the query and the output in the same parts (dots per part, summed), so the
 nibbles never need interleaving.
 
-8-bit V tiles may instead be read as 32-bit words of four codes (`read_v_words`): the PV
-dot then runs in four parts of strided channels (part c: channels 4j + c), whose outputs
-the kernel stores to those channels.
+V tiles may instead be read as words of four codes (`read_v_words`; 8-bit codes: 32-bit
+words of four channels, INT4: 16-bit half-words of two bytes): the PV dot then runs in four
+parts of strided channels (`v_word_columns`), whose outputs the kernel stores to those
+channels.
 
 Where rows are (`PoolLayout`): our pools are `[N, Hkv, P, Dp]` pages, a block-table
 entry a page id; OpenPPL's caches are one array of token rows holding K and V of every
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
@@ -350,38 +352,66 @@ def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int
 
 
 def reads_v_words(fmt: CacheFormat, head_dim: int) -> bool:
-    """V tiles of this format can be read as 32-bit words (`read_v_words`): 8-bit codes,
-    D / 4 a power of two of at least 16 (a dot's width), and one scale a row or groups of
-    a multiple of 4 channels (a word's codes share a scale). (A group of D given as such,
-    which `jaxattn` stores as one a row, reads codes: its scales come per part.)"""
+    """V tiles of this format can be read as words of four codes (`read_v_words`): 8-bit
+    codes or INT4, D / 4 a power of two of at least 16 (a dot's width), and scales a word's
+    codes share: one a row, or groups of a multiple of 4 channels (8-bit), or INT4 groups
+    of an even number of channels that tile a half row, or one a half row. (An 8-bit group
+    of D given as such, which `jaxattn` stores as one a row, reads codes: its scales come
+    per part.)"""
     width = head_dim // 4
+    if head_dim % 4 or dot_width(width) != width:
+        return False
+    if fmt.dtype == "int4":
+        group = fmt.group_size
+        return fmt.factored(head_dim) or (group % 2 == 0 and (head_dim // 2) % group == 0)
     return (
         fmt.dtype in ("int8", "float8_e4m3fn")
-        and head_dim % 4 == 0
-        and dot_width(width) == width
         and not fmt.part_scales(head_dim)
         and (fmt.row_scales or fmt.group_size % 4 == 0)
     )
 
 
-def v_word_columns(head_dim: int) -> list:
-    """The channels of each part `read_v_words` gives, `[1, D / 4]`: part c, 4j + c."""
+def v_word_columns(fmt: CacheFormat, head_dim: int) -> list:
+    """The channels of each part `read_v_words` gives, `[1, D / 4]`: part c, 4j + c (8-bit
+    codes); INT4, whose half-word j holds bytes 2j and 2j + 1 (channels 2j, 2j + 1 in their
+    low nibbles, 2j + D/2, 2j + 1 + D/2 in their high ones), 2j + c % 2 + (c // 2) * D/2."""
     j = jnp.arange(head_dim // 4)[None, :]
+    if fmt.dtype == "int4":
+        return [2 * j + c % 2 + (c // 2) * (head_dim // 2) for c in range(4)]
     return [4 * j + c for c in range(4)]
+
+
+def v_word_view(pool, fmt: CacheFormat):
+    """The V pool `[..., Dp]` as words of four codes `[..., D / 4]` (`read_v_words`): int32
+    of four bytes, or for INT4 int16 of two (bytes hold two codes)."""
+    per_word = 2 if fmt.dtype == "int4" else 4
+    word = jnp.int16 if fmt.dtype == "int4" else jnp.int32
+    shape = (*pool.shape[:-1], pool.shape[-1] // per_word, per_word)
+    return jax.lax.bitcast_convert_type(pool.reshape(shape), word)
+
+
+def word_part_scales(v_scale):
+    """Factored V scales for the four word parts: as they are (one a row), or INT4's per
+    half row (`fmt.part_scales`, a pair) as parts 0, 1 (low nibbles) and 2, 3 need them."""
+    if isinstance(v_scale, tuple):
+        low, high = v_scale
+        return (low, low, high, high)
+    return v_scale
 
 
 def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
                  asm: bool = False):  # fmt: skip
-    """A V tile of `block` tokens read as int32 words from `ref` (the V pool viewed as
-    `[..., D / 4]` int32, four codes a word): four parts `[block, D / 4]` of `dtype`, part
-    c holding channels `4j + c` (`v_word_columns`), dequantized except for factored
-    scales. `at`, `t_ok`, `head_dim`, `dtype`: as `read_kv`; `scales`: what `load_scales`
-    gave for V (finer groups: a one-part tuple of `[block, groups]`).
+    """A V tile of `block` tokens read as words from `ref` (the V pool viewed as
+    `[..., D / 4]` words of four codes: int32 for 8-bit codes, int16 for INT4): four parts
+    `[block, D / 4]` of `dtype`, holding the channels `v_word_columns` says, dequantized
+    except for factored scales (`word_part_scales`). `at`, `t_ok`, `head_dim`, `dtype`: as
+    `read_kv`; `scales`: what `load_scales` gave for V (finer groups: a tuple of
+    `[block, groups]`, one per half row for INT4).
 
     Why: the PV dot takes V as its B operand, which wants two consecutive tokens of one
     channel in a register. Read as codes `[block, D]`, Triton gathers those with a
     shared-memory load per byte (ldmatrix cannot transpose 8-bit elements); read as
-    words, one 32-bit load serves four channels and one byte permute pairs two tokens'
+    words, one load serves four channels and one byte permute pairs two tokens'
     codes (H100, B64 ctx16384: INT8 per tensor 0.81 -> 0.77 ms, groups of 8 1.16 ->
     0.98; bench/HISTORY.md, probes of 2026-11-26 09:32-09:41 UTC)."""
     entries, kvh, offsets = at
@@ -392,5 +422,9 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
         return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm and dtype == jnp.bfloat16))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = words_to_values(raw, fmt.dtype, exact, asm=asm and exact == jnp.bfloat16)
-    scale = _spread(scales[0], fmt.group_size // 4, width).astype(exact)
-    return tuple((p * scale).astype(dtype) for p in parts)
+    if fmt.dtype == "int4":  # a half-word's two channels share a group: g / 2 words a scale
+        low, high = (_spread(x, fmt.group_size // 2, width).astype(exact) for x in scales)
+        part_scales = (low, low, high, high)
+    else:
+        part_scales = (_spread(scales[0], fmt.group_size // 4, width).astype(exact),) * 4
+    return tuple((p * x).astype(dtype) for p, x in zip(parts, part_scales, strict=True))

@@ -67,16 +67,15 @@ _FP8 = _program(_FP8_CONSTANTS, "prmt.b32 t, $2, z, {sel};\n" + _FP8_LANES, _HIG
 # INT4: low nibbles, high nibbles (the input shifted once); one result per asm block
 # (Pallas lowers a multi-result `elementwise_inline_asm` to a single value). lop3 0x6A:
 # (a & b) ^ c, the nibble and its lane's bits 0x4308 in one operation.
-_INT4 = tuple(
-    _program(
-        dict(one="0x3F803F80", bias="0xC308C308", mask="0x000F000F", magic="0x43084308"),
-        f"""prmt.b32 t, {source}, z, {{sel}};
+_INT4_CONSTANTS = dict(one="0x3F803F80", bias="0xC308C308", mask="0x000F000F", magic="0x43084308")
+_INT4_STEP = """prmt.b32 t, {source}, z, {sel};
 lop3.b32 x, t, mask, magic, 0x6A;
 fma.rn.bf16x2 {{out}}, x, one, bias;
-""",
-        _LOW_BYTES,
-        prelude=prelude,
-    )
+"""
+_INT4 = tuple(
+    _program(
+        _INT4_CONSTANTS, _INT4_STEP.format(source=source, sel="{sel}"), _LOW_BYTES, prelude=prelude
+    )  # fmt: skip
     for source, prelude in (("$2", ""), ("y", "shr.b32 y, $2, 4;"))
 )
 
@@ -130,10 +129,11 @@ def codes_to_bf16(raw, dtype: str, *, asm: bool) -> list:
     return [raw.astype(jnp.bfloat16)]
 
 
-# V tiles read as 32-bit words (`cache_read.read_v_words`): a word holds the codes of four
-# channels 4j..4j+3 of one token, and output part c gets code c of each word. One asm block
-# takes two words (two tokens; `pack=2`) and gives their codes c as the two lanes of one
-# bf16x2 register, by the conversions above.
+# V tiles read as words (`cache_read.read_v_words`) of four codes: for 8-bit codes a 32-bit
+# word holds channels 4j..4j+3 of one token; for INT4 a 16-bit half-word (two bytes) holds
+# channels 2j, 2j+1 (low nibbles) and 2j + D/2, 2j + 1 + D/2 (high nibbles). Output part c
+# gets code c of each word. One asm block takes two words (two tokens; `pack=2`) and gives
+# their codes c as the two lanes of one bf16x2 register, by the conversions above.
 def _word_int8(c: int) -> str:  # words already xor'ed with 0x80808080
     steps = "prmt.b32 t, $1, high, {sel};\nprmt.b32 s, $2, high, {sel};\n" + _INT8_PAIR
     return _program(_INT8_CONSTANTS, steps, (f"0x754{c}",))
@@ -144,27 +144,48 @@ def _word_fp8(c: int) -> str:  # the two codes c into the high bytes of the two 
                     (f"0x{4 + c}{4 + c}{c}{c}",))  # fmt: skip
 
 
+def _word_int4(c: int) -> str:
+    """Two half-words packed in $1 (bytes 0-1: the first token's, 2-3: the second's): byte
+    c % 2 of each into the low byte of its lane (shifted first for the high nibbles, c >= 2),
+    then the INT4 step."""
+    source, prelude = ("$1", "") if c < 2 else ("y", "shr.b32 y, $1, 4;")
+    selector = ("0x4240", "0x4341")[c % 2]  # bytes 0 and 2, or 1 and 3, zeros above
+    return _program(_INT4_CONSTANTS, _INT4_STEP.format(source=source, sel="{sel}"), (selector,),
+                    prelude=prelude)  # fmt: skip
+
+
+# (program, input bits a word, words an asm block) of each code read as words.
+_WORDS = {"int8": (_word_int8, 32), "float8_e4m3fn": (_word_fp8, 32), "int4": (_word_int4, 16)}
+
+
 def words_to_values(words, code: str, dtype, *, asm: bool) -> list:
-    """int32 words `[block, Dw]` of four int8 or float8_e4m3fn codes each (`code`) -> four
-    tiles `[block, Dw]` of `dtype`, part c holding each word's code c (channel 4j + c of a
-    row); every value exact. asm: the packed PTX conversion (GPU, `dtype` bfloat16); else
-    shifts and one cast a part (interpret mode, and float16 / float32 queries)."""
+    """Words `[block, Dw]` of four codes each (`code`: int32 words of int8 or float8_e4m3fn,
+    int16 half-words of int4 nibbles) -> four tiles `[block, Dw]` of `dtype`, part c
+    holding each word's code c (module note above); every value exact. asm: the packed
+    PTX conversion (GPU, `dtype` bfloat16); else shifts and one cast a part (interpret
+    mode, and float16 / float32 queries)."""
+    program, bits = _WORDS[code]
     if asm:
         if dtype != jnp.bfloat16:
             raise ValueError(f"words_to_values: the PTX conversion gives bfloat16, not {dtype}")
         if code == "int8":
             words = words ^ jnp.int32(-0x7F7F7F80)  # 0x80808080: each code's sign bit
-        program = _word_int8 if code == "int8" else _word_fp8
+        constraints = "=r,r" if bits == 16 else "=r,r,r"  # two half-words fill one register
         return [
             plgpu.elementwise_inline_asm(
-                program(c), args=[words], constraints="=r,r,r", pack=2,
+                program(c), args=[words], constraints=constraints, pack=2,
                 result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
             )[0]
             for c in range(4)
         ]  # fmt: skip
     parts = []
+    wide = words.astype(jnp.int32)
     for c in range(4):
-        byte = (words >> (8 * c)) & 0xFF
+        if code == "int4":
+            nibble = (wide >> (8 * (c % 2) + 4 * (c // 2))) & 0xF
+            parts.append(((nibble ^ 8) - 8).astype(dtype))
+            continue
+        byte = (wide >> (8 * c)) & 0xFF
         if code == "int8":
             parts.append(((byte ^ 0x80) - 0x80).astype(dtype))
         else:

@@ -1,7 +1,8 @@
 """`pallas_kernels.codes.codes_to_bf16` and `words_to_values`: every stored code (all 256
-bytes of INT8, FP8 e4m3 and packed INT4; INT8 and FP8 also read four a 32-bit word)
+bytes of INT8, FP8 e4m3 and packed INT4, also read as words)
 becomes the exact bfloat16 value, checked bit for bit against numpy (ml_dtypes' e4m3
-decoding). On a GPU the packed PTX runs; on the CPU the kernel
+decoding). Read as words, INT8 and FP8 come four a 32-bit word, INT4 four nibbles a
+16-bit half-word. On a GPU the packed PTX runs; on the CPU the kernel
 runs the plain casts in interpret mode and the PTX path is lowered to Triton only."""
 
 from __future__ import annotations
@@ -92,26 +93,45 @@ def convert_words(words, dtype: str, *, asm: bool, interpret: bool):
     )
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
-def test_every_code_converts_exactly_from_words(dtype):
-    """Rows of ROWS x COLS codes read as int32 words (four channels each): part c holds
-    code c of every word, i.e. channels 4j + c, each the exact value."""
-    words = jax.lax.bitcast_convert_type(
-        jnp.asarray(BYTES.view(np.int8)).reshape(ROWS, COLS // 4, 4), jnp.int32
+WORD_DTYPES = {"int8": jnp.int32, "float8_e4m3fn": jnp.int32, "int4": jnp.int16}
+
+
+def as_words(dtype: str):
+    """BYTES as `[ROWS, COLS / n]` words of n = 4 bytes (int32) or 2 (int16, INT4)."""
+    word = WORD_DTYPES[dtype]
+    n = jnp.dtype(word).itemsize
+    return jax.lax.bitcast_convert_type(
+        jnp.asarray(BYTES.view(np.int8)).reshape(ROWS, COLS // n, n), word
     )
-    got = convert_words(words, dtype, asm=util.ON_GPU, interpret=not util.ON_GPU)
+
+
+def expected_words(dtype: str) -> list[np.ndarray]:
+    """Part c of the words' values, float32 `[ROWS, words]`: code c of every word (INT8 /
+    FP8: byte c; INT4: the low nibbles of bytes 0 and 1, then their high nibbles)."""
+    if dtype == "int4":
+        low, high = (x.reshape(ROWS, COLS) for x in expected("int4"))
+        return [low[:, 0::2], low[:, 1::2], high[:, 0::2], high[:, 1::2]]
     [want] = expected(dtype)
-    want = want.reshape(ROWS, COLS)
-    nan = np.isnan(BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32)).reshape(ROWS, COLS)
-    for c, g in enumerate(got):
+    return [want.reshape(ROWS, COLS)[:, c::4] for c in range(4)]
+
+
+@pytest.mark.parametrize("dtype", list(WORD_DTYPES))
+def test_every_code_converts_exactly_from_words(dtype):
+    """Rows of ROWS x COLS bytes read as words: part c holds code c of every word, each
+    the exact value."""
+    got = convert_words(as_words(dtype), dtype, asm=util.ON_GPU, interpret=not util.ON_GPU)
+    codes = BYTES.reshape(ROWS, COLS // (2 if dtype == "int4" else 4), -1)
+    nan = np.isnan(codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    for c, (g, want) in enumerate(zip(got, expected_words(dtype), strict=True)):
         g = np.asarray(g, np.float32)
-        keep = ~nan[:, c::4] if dtype == "float8_e4m3fn" else np.ones_like(g, bool)
-        np.testing.assert_array_equal(g[keep], want[:, c::4][keep], f"{dtype} part {c}")
+        keep = ~nan[:, :, c] if dtype == "float8_e4m3fn" else np.ones_like(g, bool)
+        np.testing.assert_array_equal(g[keep], want[keep], f"{dtype} part {c}")
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", list(WORD_DTYPES))
 def test_packed_word_conversion_lowers_to_triton(dtype):
-    spec = jax.ShapeDtypeStruct((ROWS, COLS // 4), jnp.int32)
+    spec = as_words(dtype)
+    spec = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
     fn = jax.jit(functools.partial(convert_words, dtype=dtype, asm=True, interpret=False))
     text = fn.trace(spec).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()

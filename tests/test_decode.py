@@ -311,13 +311,16 @@ def test_quantized_decode_odd_head_dim(quant):
     "quant",
     [jaxattn.KVQuant("int8"), jaxattn.KVQuant("int8", "group", 8),
      jaxattn.KVQuant("float8_e4m3fn", "group", 16),
-     jaxattn.KVQuant("float8_e4m3fn", "group", None)],
+     jaxattn.KVQuant("float8_e4m3fn", "group", None), jaxattn.KVQuant("int4"),
+     jaxattn.KVQuant("int4", "group", 8), jaxattn.KVQuant("int4", "group", 32),
+     jaxattn.KVQuant("int4", "group", None)],
     ids=str,
 )  # fmt: skip
 def test_quantized_decode_v_words(quant):
-    """Head dim 64: V read as 32-bit words (parts of 16 strided channels each, the group
-    scales spread over them) and as codes, with and without splits. The words path runs
-    when asked: the kernel then takes the V pool as int32."""
+    """Head dim 64: V read as words (8-bit codes: int32 words; INT4: int16 half-words;
+    parts of 16 strided channels each, the group scales spread over them; INT4 groups of 32
+    are one a half row, factored) and as codes, with and without splits. The words path
+    runs when asked: the kernel then takes the V pool as words."""
     scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
     cache = jaxattn.PagedKVCache.create(4, 8, 2, 64, quant=quant, **scales)
     q = jnp.zeros((1, NUM_Q_HEADS, 64), jnp.float32)
@@ -326,7 +329,8 @@ def test_quantized_decode_v_words(quant):
         config = jaxattn.PagedDecodeConfig(16, 1, v_words=v_words)
         decode = functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
         text = str(jax.make_jaxpr(decode)(q, cache, tables, lens))
-        assert ("bitcast_convert_type[new_dtype=int32" in text) == v_words
+        word = "int16" if quant.dtype == "int4" else "int32"
+        assert (f"bitcast_convert_type[new_dtype={word}" in text) == v_words
     _quantized_decode_vs_oracle(quant, "float32", "pallas", 64)
 
 

@@ -212,12 +212,14 @@ def test_int4_decode_over_several_blocks():
     check(case, run(case, "pallas", decode_config=jaxattn.PagedDecodeConfig(16, 2)))
 
 
+@pytest.mark.parametrize("quant_bit", [8, 4])
 @pytest.mark.parametrize("cache_layout", [0, 3])
-def test_int8_v_words_in_place(cache_layout):
-    """Head dim 64: the decode kernel reads V as 32-bit words (parts of strided channels)
-    from PPL's caches in place; layout 0 holds K and V of every layer in one array, so V
-    is an int32 view of the whole cache read at its own K/V and layer index."""
-    case = case_for("v words", cache_layout=cache_layout, cache_mode=1, quant_bit=8,
+def test_v_words_in_place(cache_layout, quant_bit):
+    """Head dim 64: the decode kernel reads V as words (parts of strided channels; int32
+    words of INT8, int16 half-words of INT4) from PPL's caches in place; layout 0 holds K
+    and V of every layer in one array, so V is a word view of the whole cache read at its
+    own K/V and layer index."""
+    case = case_for("v words", cache_layout=cache_layout, cache_mode=1, quant_bit=quant_bit,
                     head_dim=64, dtype="float16")  # fmt: skip
     check(case, run(case, "pallas"))
 

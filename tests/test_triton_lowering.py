@@ -224,8 +224,11 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
 
 
 @pytest.mark.parametrize(
-    "quant", [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("float8_e4m3fn")], ids=str
-)
+    "quant",
+    [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("float8_e4m3fn"),
+     jaxattn.KVQuant("int4", "group", 16)],
+    ids=str,
+)  # fmt: skip
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("v_words", [True, False])
 def test_v_words_lower_to_triton(quant, q_dtype, v_words):
@@ -237,7 +240,8 @@ def test_v_words_lower_to_triton(quant, q_dtype, v_words):
         )
     )
     head_dim = 128
-    pages = _spec((64, 8, 16, head_dim), quant.storage_dtype)
+    stored_dim = head_dim // 2 if quant.dtype == "int4" else head_dim
+    pages = _spec((64, 8, 16, stored_dim), quant.storage_dtype)
     if quant.granularity == "tensor":
         scales = (_spec((), jnp.float32),) * 2
     else:

@@ -27,9 +27,10 @@ class PagedDecodeConfig:
       num_splits: the context is cut into this many chunks, each a program of its own,
         combined afterwards through their log-sum-exps (split-K / "multi-block" mode).
       num_warps, num_stages: Triton launch parameters.
-      v_words: 8-bit caches (INT8, FP8) read V as 32-bit words of four codes, dequantized
-        into four parts of strided channels (`cache_read.read_v_words`); ignored for
-        other formats and head dims (`cache_read.reads_v_words`).
+      v_words: quantized caches read V as words of four codes (INT8, FP8: 32-bit words;
+        INT4: 16-bit half-words), dequantized into four parts of strided channels
+        (`cache_read.read_v_words`); ignored for float caches and for head dims and
+        groups where words cannot apply (`cache_read.reads_v_words`).
     """
 
     block_kv: int = 64
@@ -105,8 +106,13 @@ class PagedDecodeConfig:
           against 0.99), and 4 stages where they ran best (probes of 09:53-09:57 UTC; 5-28%
           slower for the other group sizes, no faster at B8): per tensor (INT8 0.756 against
           0.778, FP8 0.758 against 0.787), INT8 groups of 16 (0.926 against 1.019), FP8
-          groups of 32 (0.900 against 0.959-1.065). INT4 reads its codes as bytes (V as
-          words, in eight parts, ran 2-6x slower; `reads_v_words` leaves INT4 out).
+          groups of 32 (0.900 against 0.959-1.065). INT4 reads V as 16-bit half-words of
+          four nibbles in 128-token blocks of 4 warps, 3 stages (probe of 2026-11-26 11:48
+          UTC, B64 ctx16384 against V read as bytes: per tensor 0.439 against 0.542 ms,
+          groups of 8 0.703 against 0.804, of 32 0.618 against 0.725, one a row 0.502
+          against 0.598; B8 ctx8192 up to 18% faster, groups of 64 equal; 64x2x3, 64x4x3
+          and 128x4x4 tilings as fast or slower but for groups of 64 in 4 stages, 1%
+          faster). (32-bit words of eight nibbles, in eight parts, ran 1.4-6x slower.)
           `v_words`: whether this cache's V can be read as words (`reads_v_words`: D / 4
           a power of two >= 16). Where it cannot, INT8 with one scale a row keeps 64-token
           blocks in 2 warps, 9-13% faster with V read as codes (B64 ctx16384 0.965

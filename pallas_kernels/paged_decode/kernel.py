@@ -13,9 +13,9 @@ GPU busy when `batch * num_kv_heads` is small against the number of SMs. Chunks 
 length across the batch (the longest row's span over `num_splits`): in a ragged batch all
 busy programs finish together, and a short row's surplus programs exit at once.
 
-8-bit caches (INT8, FP8) may have V read as 32-bit words (`config.v_words`,
-`cache_read.read_v_words`): the PV dot then runs in four parts of strided channels
-(channels 4j + c), and the output is stored part by part.
+Quantized caches may have V read as words of four codes (`config.v_words`,
+`cache_read.read_v_words`; 32-bit words of INT8 / FP8, 16-bit half-words of INT4): the PV
+dot then runs in four parts of strided channels, and the output is stored part by part.
 
 FP8 output (`out_dtype=float8_e4m3fn`): the normalised float32 result is quantized in the
 store (`combine.quantize_output`): by this kernel's epilogue without splits, by the
@@ -52,6 +52,8 @@ from pallas_kernels.cache_read import (
     scaled_sum,
     scales_per_element,
     v_word_columns,
+    v_word_view,
+    word_part_scales,
 )
 from pallas_kernels.common import (
     LOG2E,
@@ -87,7 +89,7 @@ def _paged_decode_kernel(
     q_ref,  # [B, Hq, D]
     k_ref,
     v_ref,  # [N, Hkv, P, Dp]: float, or quantized as `fmt` says (int4: Dp = D / 2);
-    # with `v_words` the V pool viewed as int32 words, [N, Hkv, P, D / 4]
+    # with `v_words` the V pool viewed as words (int32; INT4: int16), [N, Hkv, P, D / 4]
     *refs,
     params: DecodeParams,
     fmt: CacheFormat,
@@ -235,9 +237,10 @@ def _paged_decode_kernel(
                 in_window |= t < params.sink_tokens
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
-        if v_words:  # four parts of strided channels; a factored scale is one a row
+        if v_words:  # four parts of strided channels
             load_v = functools.partial(read_v_words, v_ref, fmt, at, t_ok, head_dim, dtype,
                                        v_scales, asm=not interpret)  # fmt: skip
+            v_scale = word_part_scales(v_scale)
         else:
             load_v = functools.partial(read, v_ref, kv=1, dtype=dtype, scales=v_scales)
         return softmax_update(state, s, load_v, precision, v_scale), next_loads
@@ -257,7 +260,7 @@ def _paged_decode_kernel(
     # The output's parts: (columns [1, W], which are channels [1, W]).
     v_parts = [(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts)]
     if v_words:  # V in parts of strided channels (cache_read.read_v_words), all channels
-        v_parts = [(cols, jnp.full(cols.shape, True)) for cols in v_word_columns(head_dim)]
+        v_parts = [(cols, jnp.full(cols.shape, True)) for cols in v_word_columns(fmt, head_dim)]
     carry = softmax_init(rows, tuple(cols.shape[1] for cols, _ in v_parts))
     if has_new:
         # Split 0 stores the new token and attends to it first: the softmax state starts
@@ -486,11 +489,9 @@ def paged_decode(
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pages, v_pages)]
         aliases = {3: 2, 4: 3}
     v_words = config.v_words and reads_v_words(fmt, head_dim)
-    if v_words:  # V pool viewed as int32 words of four codes: a bitcast on XLA:GPU, but
-        # XLA:CPU (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
-        inputs[4] = jax.lax.bitcast_convert_type(
-            v_pages.reshape(*v_pages.shape[:-1], v_pages.shape[-1] // 4, 4), jnp.int32
-        )
+    if v_words:  # V pool viewed as words of four codes: a bitcast on XLA:GPU, but XLA:CPU
+        # (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
+        inputs[4] = v_word_view(v_pages, fmt)
     kernel = functools.partial(
         _paged_decode_kernel,
         params=params,
