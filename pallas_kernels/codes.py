@@ -68,14 +68,16 @@ _FP8 = _program(_FP8_CONSTANTS, "prmt.b32 t, $2, z, {sel};\n" + _FP8_LANES, _HIG
 # (Pallas lowers a multi-result `elementwise_inline_asm` to a single value). lop3 0x6A:
 # (a & b) ^ c, the nibble and its lane's bits 0x4308 in one operation.
 _INT4_CONSTANTS = dict(one="0x3F803F80", bias="0xC308C308", mask="0x000F000F", magic="0x43084308")
-_INT4_STEP = """prmt.b32 t, {source}, z, {sel};
-lop3.b32 x, t, mask, magic, 0x6A;
+# From a register whose lanes hold a nibble each at their bottom ({source}; bits above are
+# masked off) to the bf16 values ({out}).
+_INT4_LANES = """lop3.b32 x, {source}, mask, magic, 0x6A;
 fma.rn.bf16x2 {{out}}, x, one, bias;
 """
+_INT4_STEP = "prmt.b32 t, {source}, z, {sel};\n" + _INT4_LANES.replace("{source}", "t")
 _INT4 = tuple(
     _program(
         _INT4_CONSTANTS, _INT4_STEP.format(source=source, sel="{sel}"), _LOW_BYTES, prelude=prelude
-    )  # fmt: skip
+    )
     for source, prelude in (("$2", ""), ("y", "shr.b32 y, $2, 4;"))
 )
 
@@ -145,13 +147,12 @@ def _word_fp8(c: int) -> str:  # the two codes c into the high bytes of the two 
 
 
 def _word_int4(c: int) -> str:
-    """Two half-words packed in $1 (bytes 0-1: the first token's, 2-3: the second's): byte
-    c % 2 of each into the low byte of its lane (shifted first for the high nibbles, c >= 2),
-    then the INT4 step."""
-    source, prelude = ("$1", "") if c < 2 else ("y", "shr.b32 y, $1, 4;")
-    selector = ("0x4240", "0x4341")[c % 2]  # bytes 0 and 2, or 1 and 3, zeros above
-    return _program(_INT4_CONSTANTS, _INT4_STEP.format(source=source, sel="{sel}"), (selector,),
-                    prelude=prelude)  # fmt: skip
+    """Two half-words packed in $1 (bytes 0-1: the first token's, 2-3: the second's): nibble
+    c of each (bits 8 (c % 2) + 4 (c // 2) of its half-word) shifted to the bottom of its
+    lane, where the INT4 step's mask keeps it (no byte permute: the lanes line up)."""
+    shift = 8 * (c % 2) + 4 * (c // 2)
+    source, prelude = ("$1", "") if shift == 0 else ("y", f"shr.b32 y, $1, {shift};")
+    return _program(_INT4_CONSTANTS, _INT4_LANES.format(source=source), ("",), prelude=prelude)
 
 
 # (program, input bits a word, words an asm block) of each code read as words.
