@@ -107,7 +107,7 @@ class PagedDecodeConfig:
           slower for the other group sizes, no faster at B8): per tensor (INT8 0.756 against
           0.778, FP8 0.758 against 0.787), INT8 groups of 16 (0.926 against 1.019), FP8
           groups of 32 (0.900 against 0.959-1.065). INT4 reads V as 16-bit half-words of
-          four nibbles in 128-token blocks of 4 warps, 3 stages (probe of 2026-11-26 11:48
+          four nibbles in 128-token blocks of 4 warps, 3 stages (probe of 2026-11-26 11:50
           UTC, B64 ctx16384 against V read as bytes: per tensor 0.439 against 0.542 ms,
           groups of 8 0.703 against 0.804, of 32 0.618 against 0.725, one a row 0.502
           against 0.598; B8 ctx8192 up to 18% faster, groups of 64 equal; 64x2x3, 64x4x3
