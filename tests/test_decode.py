@@ -176,7 +176,9 @@ def test_decode_heuristic_tilings(batch, context, want):
     "batch, context, code, want, want_rows",
     [  # per tensor; one scale per token row
         (64, 16384, "int8", (128, 2, 4, 4), (128, 2, 4, 3)),  # >= 2 splits; per tensor 4 stages
-        (8, 8192, "int4", (128, 4, 4, 3), (128, 5, 4, 3)),  # one wave of two programs an SM
+        (8, 8192, "int8", (128, 4, 4, 3), (128, 5, 4, 3)),  # one wave of two programs an SM
+        (8, 8192, "int4", (128, 8, 4, 3), (128, 8, 4, 3)),  # INT4: about four programs an SM
+        (4, 16384, "int4", (128, 16, 4, 3), (128, 16, 4, 3)),
         (16, 8192, "int8", (128, 2, 4, 3), (128, 3, 4, 3)),
         (2, 8192, "int8", (128, 16, 4, 3), (128, 17, 4, 3)),
         (1, 2048, "int8", (128, 8, 4, 3), (128, 8, 4, 3)),  # each split at least two blocks
@@ -185,8 +187,9 @@ def test_decode_heuristic_tilings(batch, context, want):
 )
 def test_decode_heuristic_tilings_quantized(batch, context, code, want, want_rows):
     """Quantized caches: 128-token blocks in 3 stages, split at least in two, into one
-    wave of two programs an SM; with a scale per token row about two programs an SM.
-    INT8 and FP8 per tensor with >= one program per SM: 4 stages."""
+    wave of two programs an SM; with a scale per token row about two programs an SM;
+    INT4 per tensor or with a scale per row about four. INT8 and FP8 per tensor with >=
+    one program per SM: 4 stages."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, batch, 8, context, 16, sm_count=132, code=code
     )

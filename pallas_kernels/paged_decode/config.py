@@ -15,6 +15,7 @@ _LONG_PROGRAMS_PER_SM = 16
 # tensor) that ran best in 4 stages, and the group size run in 64-token blocks of 2 warps.
 _FOUR_STAGES = {("int8", 0), ("float8_e4m3fn", 0), ("int8", 16), ("float8_e4m3fn", 32)}
 _SMALL_BLOCK_GROUP = 8
+_INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one program per SM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,12 @@ class PagedDecodeConfig:
           With one scale per token and head (`row_scales`) 4 splits ran slower (the
           decode_quant run of 06:20 UTC: INT8 0.104 against 0.089 ms, FP8 0.080 against
           0.077, INT4 0.059 against 0.054): those keep about two programs an SM.
+          INT4 per tensor or with one scale a row (`group_size` 0), V read as half-words:
+          about four programs an SM (probes of 12:47-12:50 and 12:51-12:54 UTC; per tensor
+          / one a row against the former splits: B8 ctx8192 0.035 / 0.044 against 0.037 /
+          0.050 ms, B16 ctx8192 0.062 / 0.076 against 0.066 / 0.083, B4 ctx16384 0.038 /
+          0.044 against 0.039 / 0.051, B8 ctx32768 0.117 / 0.141 against 0.128 / 0.163).
+          INT4 groups and INT8 ran as fast or slower with more splits.
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -140,7 +147,9 @@ class PagedDecodeConfig:
             return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
         splits = -(-2 * sm_count // programs)  # about two programs an SM
-        if code is not None:  # at least two; without row scales, one wave unless two exceed it
+        if code == "int4" and group_size == 0:  # per tensor or one scale a row: about four
+            splits = max(_INT4_ROW_PROGRAMS_PER_SM * sm_count // programs, 2)
+        elif code is not None:  # at least two; without row scales, one wave unless two exceed it
             splits = max(splits if row_scales else 2 * sm_count // programs, 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
         if code is None:
