@@ -411,9 +411,9 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     Why: the PV dot takes V as its B operand, which wants two consecutive tokens of one
     channel in a register. Read as codes `[block, D]`, Triton gathers those with a
     shared-memory load per byte (ldmatrix cannot transpose 8-bit elements); read as
-    words, one load serves four channels and one byte permute pairs two tokens'
-    codes (H100, B64 ctx16384: INT8 per tensor 0.81 -> 0.77 ms, groups of 8 1.16 ->
-    0.98; bench/HISTORY.md, probes of 2026-11-26 09:32-09:41 UTC)."""
+    words, one load serves four channels and a byte permute (INT8, FP8) or a shift (INT4)
+    pairs two tokens' codes (H100, B64 ctx16384: INT8 per tensor 0.81 -> 0.77 ms, groups
+    of 8 1.16 -> 0.98; bench/HISTORY.md, probes of 2026-11-26 09:32-09:41 UTC)."""
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, 1)
     width = head_dim // 4

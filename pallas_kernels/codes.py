@@ -46,7 +46,7 @@ def _program(constants: dict[str, str], steps: str, selectors, prelude: str = ""
     """One asm block: registers t, x, s, y, z (= 0) and `constants`, `prelude`, then
     `steps` once per output register ($0, $1, ...), with `{out}` and `{sel}` (its byte
     permute, or a tuple of them) filled in; the inputs follow the outputs (four codes in
-    $2 after two outputs; two words in $1, $2 after one)."""
+    $2 after two outputs; two words in $1, $2 after one; two half-words in $1 after one)."""
     lines = [f".reg .b32 t, x, s, y, z, {', '.join(constants)};", "mov.b32 z, 0;"]
     lines += [f"mov.b32 {name}, {value};" for name, value in constants.items()]
     lines += [prelude] if prelude else []
@@ -155,7 +155,7 @@ def _word_int4(c: int) -> str:
     return _program(_INT4_CONSTANTS, _INT4_LANES.format(source=source), ("",), prelude=prelude)
 
 
-# (program, input bits a word, words an asm block) of each code read as words.
+# (program, bits a word) of each code read as words.
 _WORDS = {"int8": (_word_int8, 32), "float8_e4m3fn": (_word_fp8, 32), "int4": (_word_int4, 16)}
 
 

@@ -179,6 +179,7 @@ def test_decode_heuristic_tilings(batch, context, want):
         (8, 8192, "int8", (128, 4, 4, 3), (128, 5, 4, 3)),  # one wave of two programs an SM
         (8, 8192, "int4", (128, 8, 4, 3), (128, 8, 4, 3)),  # INT4: about four programs an SM
         (4, 16384, "int4", (128, 16, 4, 3), (128, 16, 4, 3)),
+        (22, 8192, "int4", (128, 2, 4, 3), (128, 2, 4, 3)),  # 176 programs: >= one an SM
         (16, 8192, "int8", (128, 2, 4, 3), (128, 3, 4, 3)),
         (2, 8192, "int8", (128, 16, 4, 3), (128, 17, 4, 3)),
         (1, 2048, "int8", (128, 8, 4, 3), (128, 8, 4, 3)),  # each split at least two blocks
@@ -196,6 +197,19 @@ def test_decode_heuristic_tilings_quantized(batch, context, code, want, want_row
     for config, expected in ((heuristic(), want), (heuristic(row_scales=True), want_rows)):
         got = (config.block_kv, config.num_splits, config.num_warps, config.num_stages)
         assert got == expected
+
+
+def test_decode_heuristic_int4_splits_need_half_words():
+    """The four-programs-an-SM rule for INT4 per tensor / one scale a row was measured with
+    V read as half-words: where words cannot apply (`v_words=False`) INT4 keeps the split
+    count of the other formats; INT4 groups too."""
+    heuristic = functools.partial(
+        jaxattn.PagedDecodeConfig.heuristic, 8, 8, 8192, 16, sm_count=132, code="int4"
+    )
+    assert heuristic().num_splits == heuristic(row_scales=True).num_splits == 8
+    assert heuristic(v_words=False).num_splits == 4
+    assert heuristic(row_scales=True, v_words=False).num_splits == 5
+    assert heuristic(group_size=32).num_splits == 4
 
 
 @pytest.mark.parametrize(
@@ -322,8 +336,9 @@ def test_quantized_decode_odd_head_dim(quant):
 def test_quantized_decode_v_words(quant):
     """Head dim 64: V read as words (8-bit codes: int32 words; INT4: int16 half-words;
     parts of 16 strided channels each, the group scales spread over them; INT4 groups of 32
-    are one a half row, factored) and as codes, with and without splits. The words path
-    runs when asked: the kernel then takes the V pool as words."""
+    are one a half row, factored), with and without splits (on a GPU also as codes; on
+    CPU the codes path runs in the default head dim's cases, 32, where words do not
+    apply). The words path runs when asked: the kernel then takes the V pool as words."""
     scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
     cache = jaxattn.PagedKVCache.create(4, 8, 2, 64, quant=quant, **scales)
     q = jnp.zeros((1, NUM_Q_HEADS, 64), jnp.float32)
@@ -341,10 +356,12 @@ def test_quantized_decode_v_words(quant):
     not util.ON_GPU,
     reason="XLA:CPU expands the int32 view of the V pool into a copy (interpret mode only)",
 )
-def test_v_words_view_is_no_copy():
-    """On the GPU the int32 view of an 8-bit V pool is a bitcast: the compiled decode
-    call holds no temporary near the pool's size."""
-    quant = jaxattn.KVQuant("int8", "group", 8)
+@pytest.mark.parametrize(
+    "quant", [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("int4", "group", 8)], ids=str
+)
+def test_v_words_view_is_no_copy(quant):
+    """On the GPU the word view of a V pool (int32 of 8-bit codes, int16 of INT4 bytes) is
+    a bitcast: the compiled decode call holds no temporary near the pool's size."""
     d, page, num_pages, batch = 128, 16, 512, 4
     cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
     q = jnp.zeros((batch, NUM_Q_HEADS, d), jnp.bfloat16)
@@ -383,9 +400,9 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d):
     )  # fmt: skip
     want = oracle()[0][:, 0]
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
-    # (splits, V read as words where the format allows); the codes path again where words
-    # apply on a GPU (on CPU it runs at the default head dim, 32, where they do not); xla:
-    # one run
+    # (splits, V read as words where the format allows); on a GPU the codes path again
+    # where words apply (on CPU it runs in the cases at the default head dim, 32, where
+    # they do not); xla: one run
     words = reads_v_words(cache_format(cache), d)
     runs = [(1, True), (2, True)] + [(2, False)] * (words and util.ON_GPU)
     for splits, v_words in runs if impl == "pallas" else [(1, True)]:

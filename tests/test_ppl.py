@@ -202,7 +202,8 @@ def test_layouts_pallas(cache_layout, cache_mode, quant_bit):
     """Quantized caches at head dim 64: the decode kernel reads V as words (parts of strided
     channels; int32 words of INT8, int16 half-words of INT4) from PPL's caches in place;
     layout 0 holds K and V of every layer in one array, so V is a word view of the whole
-    cache read at its own K/V and layer index."""
+    cache read at its own K/V and layer index. (V read as codes from PPL's layouts: the
+    feature cases, at head dim 16.)"""
     case = case_for(cache_layout=cache_layout, cache_mode=cache_mode, quant_bit=quant_bit,
                     **dict(head_dim=64) if quant_bit else {}, **dtypes_for(quant_bit))  # fmt: skip
     check(case, run(case, "pallas"))

@@ -115,9 +115,10 @@ class PagedDecodeConfig:
           and 128x4x4 tilings as fast or slower but for groups of 64 in 4 stages, 1%
           faster). (32-bit words of eight nibbles, in eight parts, ran 1.4-6x slower.)
           `v_words`: whether this cache's V can be read as words (`reads_v_words`: D / 4
-          a power of two >= 16). Where it cannot, INT8 with one scale a row keeps 64-token
-          blocks in 2 warps, 9-13% faster with V read as codes (B64 ctx16384 0.965
-          against 1.109 ms; probes of 2026-11-26 03:55 and 04:25 UTC).
+          a power of two >= 16, and scales that a word's codes share). Where it cannot,
+          INT8 with one scale a row keeps 64-token blocks in 2 warps, 9-13% faster with
+          V read as codes (B64 ctx16384 0.965 against 1.109 ms; probes of 2026-11-26 03:55
+          and 04:25 UTC).
           Splits: as many as run two to an SM in one wave (two 128-token programs
           of 3 stages fit an SM), not one more: B8 ctx8192 (64 programs) in 4 splits
           against 5: INT8 per tensor 0.063 against 0.070 ms, groups of 8 0.088 against
@@ -127,11 +128,12 @@ class PagedDecodeConfig:
           With one scale per token and head (`row_scales`) 4 splits ran slower (the
           decode_quant run of 06:20 UTC: INT8 0.104 against 0.089 ms, FP8 0.080 against
           0.077, INT4 0.059 against 0.054): those keep about two programs an SM.
-          INT4 per tensor or with one scale a row (`group_size` 0), V read as half-words:
-          about four programs an SM (probes of 12:47-12:50 and 12:51-12:54 UTC; per tensor
-          / one a row against the former splits: B8 ctx8192 0.035 / 0.044 against 0.037 /
-          0.050 ms, B16 ctx8192 0.062 / 0.076 against 0.066 / 0.083, B4 ctx16384 0.038 /
-          0.044 against 0.039 / 0.051, B8 ctx32768 0.117 / 0.141 against 0.128 / 0.163).
+          But INT4 per tensor or with one scale a row (`group_size` 0) with V read as
+          half-words and fewer programs than SMs: about four programs an SM (probes of
+          12:47-12:50 and 12:51-12:54 UTC; per tensor / one a row against the former
+          splits: B8 ctx8192 0.035 / 0.044 against 0.037 / 0.050 ms, B16 ctx8192 0.062 /
+          0.076 against 0.066 / 0.083, B4 ctx16384 0.038 / 0.044 against 0.039 / 0.051, B8
+          ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
         The page size does not matter: a block gathers its rows from any pages.
         """
@@ -147,7 +149,8 @@ class PagedDecodeConfig:
             return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
         splits = -(-2 * sm_count // programs)  # about two programs an SM
-        if code == "int4" and group_size == 0:  # per tensor or one scale a row: about four
+        if code == "int4" and group_size == 0 and v_words and programs < sm_count:
+            # per tensor or one scale a row, V read as half-words: about four programs an SM
             splits = max(_INT4_ROW_PROGRAMS_PER_SM * sm_count // programs, 2)
         elif code is not None:  # at least two; without row scales, one wave unless two exceed it
             splits = max(splits if row_scales else 2 * sm_count // programs, 2)
