@@ -173,11 +173,12 @@ def ring_position(t, ring: tuple[int, int] | None):
     return jnp.where(t < kept, t, kept + (jnp.maximum(t - kept, 0) % size))
 
 
-def _decode(raw, fmt: CacheFormat, dtype, asm: bool) -> list:
-    """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part."""
+def _decode(raw, fmt: CacheFormat, dtype, asm: bool, biased: bool = False) -> list:
+    """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part
+    (`biased`: INT4 values plus INT4_BIAS)."""
     if fmt.dtype is not None and dtype == jnp.bfloat16:
-        return codes_to_bf16(raw, fmt.dtype, asm=asm)
-    return int4_nibbles(raw, dtype) if fmt.dtype == "int4" else [raw.astype(dtype)]
+        return codes_to_bf16(raw, fmt.dtype, asm=asm, biased=biased)
+    return int4_nibbles(raw, dtype, biased) if fmt.dtype == "int4" else [raw.astype(dtype)]
 
 
 def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
@@ -232,9 +233,8 @@ def scaled_sum(dots, part_scales=None):
     return sum(s * c[None, :] for s, c in zip(dots, part_scales, strict=True))
 
 
-def read_kv(
-    ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scales=None, asm: bool = False
-):
+def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scales=None,
+            asm: bool = False, biased: bool = False):  # fmt: skip
     """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
     dequantized except for factored scales (`fmt.factored`: the caller applies
     `factored_scales`).
@@ -251,6 +251,8 @@ def read_kv(
       head_dim: D; each part spans D / parts channels, padded to a power of two of at
         least 16 (Pd, `dot_width`: a dot's contraction needs 16).
       scales: finer groups: what `load_scales` gave for these tokens.
+      biased: INT4 with factored scales: the values plus `codes.INT4_BIAS` (the caller
+        takes `INT4_BIAS * sum(q)` off the logits; the decode kernel's `biased_keys`).
     """
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
@@ -260,7 +262,7 @@ def read_kv(
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     raw = plgpu.load(ref.at[(*index, dims[None, :])], mask=ok, other=other)
     if fmt.dtype is None or fmt.factored(head_dim):
-        return tuple(_decode(raw, fmt, dtype, asm))
+        return tuple(_decode(raw, fmt, dtype, asm, biased))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = []
     for values, scale in zip(_decode(raw, fmt, exact, asm), scales, strict=True):

@@ -80,6 +80,12 @@ _INT4 = tuple(
     )
     for source, prelude in (("$2", ""), ("y", "shr.b32 y, $2, 4;"))
 )
+# INT4 biased by INT4_BIAS: the lanes' bits 0x4300 | (n ^ 8) are the bf16 128 + (n ^ 8) =
+# n + 136 (two's complement n), exact; no FMA.
+INT4_BIAS = 136
+_INT4_BIASED = tuple(program.replace("fma.rn.bf16x2 $0, x, one, bias;", "mov.b32 $0, x;")
+                     .replace("fma.rn.bf16x2 $1, x, one, bias;", "mov.b32 $1, x;")
+                     for program in _INT4)  # fmt: skip
 
 
 # INT8: the code's byte with its sign bit flipped (c + 128, unsigned) under the bytes
@@ -113,19 +119,24 @@ def _asm(code: str, raw):
     return values
 
 
-def int4_nibbles(raw, dtype) -> list:
+def int4_nibbles(raw, dtype, biased: bool = False) -> list:
     """uint8 bytes `[block, Dp]` -> two tiles of `dtype` by plain casts: the low nibbles,
-    then the high nibbles, as two's-complement values in [-8, 7]."""
+    then the high nibbles, as two's-complement values in [-8, 7] (`biased`: plus
+    INT4_BIAS)."""
     wide = raw.astype(jnp.int32)  # bytes (uint8): zero-extended
-    return [((((wide >> shift) & 0xF) ^ 8) - 8).astype(dtype) for shift in (0, 4)]
+    offset = INT4_BIAS - 8 if biased else -8
+    return [((((wide >> shift) & 0xF) ^ 8) + offset).astype(dtype) for shift in (0, 4)]
 
 
-def codes_to_bf16(raw, dtype: str, *, asm: bool) -> list:
+def codes_to_bf16(raw, dtype: str, *, asm: bool, biased: bool = False) -> list:
     """Stored codes `[block, Dp]` (int8, float8_e4m3fn, or uint8 holding two INT4 nibbles)
-    -> bfloat16 value tiles, unscaled: one, or two for INT4 (low nibbles, high nibbles).
+    -> bfloat16 value tiles, unscaled: one, or two for INT4 (low nibbles, high nibbles;
+    `biased`: plus INT4_BIAS, one instruction less a register).
     asm: the packed PTX conversion (GPU); else plain casts (interpret mode)."""
     if dtype == "int4":
-        return [_asm(code, raw) for code in _INT4] if asm else int4_nibbles(raw, jnp.bfloat16)
+        if not asm:
+            return int4_nibbles(raw, jnp.bfloat16, biased)
+        return [_asm(code, raw) for code in (_INT4_BIASED if biased else _INT4)]
     if asm:
         return [_asm(_FP8 if dtype == "float8_e4m3fn" else _INT8, raw)]
     return [raw.astype(jnp.bfloat16)]

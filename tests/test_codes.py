@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import util
 
-from pallas_kernels.codes import codes_to_bf16, words_to_values
+from pallas_kernels.codes import INT4_BIAS, codes_to_bf16, words_to_values
 from pallas_kernels.common import whole_array_call
 
 ROWS, COLS = 16, 64  # every byte value 4 times, in an order that mixes them
@@ -34,16 +34,17 @@ def expected(dtype: str) -> list[np.ndarray]:
     return [np.where(np.isnan(values), 0, values)]  # 0x7F / 0xFF (NaN) are never stored
 
 
-def _kernel(raw_ref, *out_refs, dtype, asm):
+def _kernel(raw_ref, *out_refs, dtype, asm, biased):
     raw = raw_ref[...]
-    for ref, values in zip(out_refs, codes_to_bf16(raw, dtype, asm=asm), strict=True):
-        ref[...] = values
+    values = codes_to_bf16(raw, dtype, asm=asm, biased=biased)
+    for ref, part in zip(out_refs, values, strict=True):
+        ref[...] = part
 
 
-def convert(raw, dtype: str, *, asm: bool, interpret: bool):
+def convert(raw, dtype: str, *, asm: bool, interpret: bool, biased: bool = False):
     parts = 2 if dtype == "int4" else 1
     return whole_array_call(
-        functools.partial(_kernel, dtype=dtype, asm=asm),
+        functools.partial(_kernel, dtype=dtype, asm=asm, biased=biased),
         [raw],
         [jax.ShapeDtypeStruct((ROWS, COLS), jnp.bfloat16)] * parts,
         grid=(1,),
@@ -64,6 +65,16 @@ def test_every_code_converts_exactly(dtype):
         nan = np.isnan(BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
         keep = ~nan if dtype == "float8_e4m3fn" else np.ones_like(nan)
         np.testing.assert_array_equal(g[keep], want[keep], f"{dtype} part {part}")
+
+
+def test_every_int4_code_converts_exactly_biased():
+    """INT4 read biased (the decode kernel's keys with a scale per half row): every nibble
+    n becomes exactly n + INT4_BIAS."""
+    raw = jnp.asarray(BYTES).reshape(ROWS, COLS)
+    got = convert(raw, "int4", asm=util.ON_GPU, interpret=not util.ON_GPU, biased=True)
+    for part, (g, want) in enumerate(zip(got, expected("int4"), strict=True)):
+        g = np.asarray(g, np.float32).reshape(-1)
+        np.testing.assert_array_equal(g, want + INT4_BIAS, f"int4 biased part {part}")
 
 
 @pytest.mark.parametrize("dtype", list(STORAGE))

@@ -55,6 +55,7 @@ from pallas_kernels.cache_read import (
     v_word_view,
     word_part_scales,
 )
+from pallas_kernels.codes import INT4_BIAS
 from pallas_kernels.common import (
     LOG2E,
     MASK_VALUE,
@@ -108,6 +109,7 @@ def _paged_decode_kernel(
     num_splits: int,
     interpret: bool,
     v_words: bool,
+    biased_keys: bool,
 ):
     refs = list(refs)
     k_scale_ref = v_scale_ref = None
@@ -170,6 +172,15 @@ def _paged_decode_kernel(
         return s
 
     factored = fmt.factored(head_dim)
+    # `biased_keys` (INT4 with a scale per half row): keys read as `n + INT4_BIAS`, no FMA a
+    # value pair; the logits of part p are then q_p . (k_p + bias), and `bias * sum(q_p)`
+    # comes off them before the part's scale. H100, B64 ctx16384 (probe of 2026-11-26
+    # 13:22 UTC, bench/HISTORY.md): 0.601 against 0.649 ms, B8 ctx8192 0.054 against 0.060;
+    # per tensor and one scale a row ran 1-7% slower so (0.437 / 0.528 against 0.431 /
+    # 0.492 ms), and keep the FMA.
+    q_bias = None
+    if biased_keys:
+        q_bias = [INT4_BIAS * jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q]
     # Quantized pools: table entries and scales loaded a step ahead (`fetch`). H100, B64
     # ctx16384 (probes of 2026-11-26, bench/HISTORY.md): INT8 per tensor 0.88 -> 0.81 ms
     # (with 3 stages), groups of 8 1.56 -> 1.15; float pools ran as fast or slower
@@ -211,7 +222,7 @@ def _paged_decode_kernel(
         read = functools.partial(
             read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret
         )
-        k = read(k_ref, kv=0, dtype=dtype, scales=k_scales)  # parts of [block_kv, Pd]
+        k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
         k_scale = v_scale = part_scales = None
         if factored:  # scales factored out of the tiles: they scale logits and probabilities
             k_scale = factored_scales(k_scale_ref, k_scales, t_ok)  # [block_kv], or per part
@@ -226,6 +237,8 @@ def _paged_decode_kernel(
                 jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
                 for qp, kp in zip(q, k, strict=True)
             ]
+            if biased_keys:
+                dots = [d - qb[:, None] for d, qb in zip(dots, q_bias, strict=True)]
             s = scaled_sum(dots, part_scales)
         if k_scale is not None:
             s = s * k_scale[None, :]
@@ -511,6 +524,7 @@ def paged_decode(
         num_splits=splits,
         interpret=interpret,
         v_words=v_words,
+        biased_keys=fmt.dtype == "int4" and fmt.part_scales(head_dim) and rope is None,
     )
     out, lse, *pools = whole_array_call(
         kernel,
