@@ -425,8 +425,9 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = words_to_values(raw, fmt.dtype, exact, asm=asm and exact == jnp.bfloat16)
     if fmt.dtype == "int4":  # a half-word's two channels share a group: g / 2 words a scale
-        low, high = (_spread(x, fmt.group_size // 2, width).astype(exact) for x in scales)
-        part_scales = (low, low, high, high)
+        part_scales = word_part_scales(
+            tuple(_spread(x, fmt.group_size // 2, width).astype(exact) for x in scales)
+        )
     else:
         part_scales = (_spread(scales[0], fmt.group_size // 4, width).astype(exact),) * 4
     return tuple((p * x).astype(dtype) for p, x in zip(parts, part_scales, strict=True))

@@ -68,24 +68,36 @@ _FP8 = _program(_FP8_CONSTANTS, "prmt.b32 t, $2, z, {sel};\n" + _FP8_LANES, _HIG
 # (Pallas lowers a multi-result `elementwise_inline_asm` to a single value). lop3 0x6A:
 # (a & b) ^ c, the nibble and its lane's bits 0x4308 in one operation.
 _INT4_CONSTANTS = dict(one="0x3F803F80", bias="0xC308C308", mask="0x000F000F", magic="0x43084308")
-# From a register whose lanes hold a nibble each at their bottom ({source}; bits above are
-# masked off) to the bf16 values ({out}).
-_INT4_LANES = """lop3.b32 x, {source}, mask, magic, 0x6A;
-fma.rn.bf16x2 {{out}}, x, one, bias;
-"""
-_INT4_STEP = "prmt.b32 t, {source}, z, {sel};\n" + _INT4_LANES.replace("{source}", "t")
-_INT4 = tuple(
-    _program(
-        _INT4_CONSTANTS, _INT4_STEP.format(source=source, sel="{sel}"), _LOW_BYTES, prelude=prelude
-    )
-    for source, prelude in (("$2", ""), ("y", "shr.b32 y, $2, 4;"))
-)
 # INT4 biased by INT4_BIAS: the lanes' bits 0x4300 | (n ^ 8) are the bf16 128 + (n ^ 8) =
-# n + 136 (two's complement n), exact; no FMA.
+# n + 136 (two's complement n), exact; the FMA takes the 136 off.
 INT4_BIAS = 136
-_INT4_BIASED = tuple(program.replace("fma.rn.bf16x2 $0, x, one, bias;", "mov.b32 $0, x;")
-                     .replace("fma.rn.bf16x2 $1, x, one, bias;", "mov.b32 $1, x;")
-                     for program in _INT4)  # fmt: skip
+
+
+def _int4_lanes(source: str, biased: bool = False) -> str:
+    """Steps from a register whose lanes hold a nibble each at their bottom (`source`; bits
+    above are masked off) to the bf16 values ({out}); `biased`: the values plus INT4_BIAS,
+    without the FMA."""
+    if biased:
+        return f"lop3.b32 {{out}}, {source}, mask, magic, 0x6A;\n"
+    return f"lop3.b32 x, {source}, mask, magic, 0x6A;\nfma.rn.bf16x2 {{out}}, x, one, bias;\n"
+
+
+def _int4_programs(biased: bool) -> tuple:
+    """The two INT4 programs of four bytes ($2): low nibbles, then high nibbles (the input
+    shifted once)."""
+    return tuple(
+        _program(
+            _INT4_CONSTANTS,
+            f"prmt.b32 t, {source}, z, {{sel}};\n" + _int4_lanes("t", biased),
+            _LOW_BYTES,
+            prelude=prelude,
+        )
+        for source, prelude in (("$2", ""), ("y", "shr.b32 y, $2, 4;"))
+    )
+
+
+_INT4 = _int4_programs(biased=False)
+_INT4_BIASED = _int4_programs(biased=True)
 
 
 # INT8: the code's byte with its sign bit flipped (c + 128, unsigned) under the bytes
@@ -163,11 +175,10 @@ def _word_int4(c: int) -> str:
     lane, where the INT4 step's mask keeps it (no byte permute: the lanes line up)."""
     shift = 8 * (c % 2) + 4 * (c // 2)
     source, prelude = ("$1", "") if shift == 0 else ("y", f"shr.b32 y, $1, {shift};")
-    return _program(_INT4_CONSTANTS, _INT4_LANES.format(source=source), ("",), prelude=prelude)
+    return _program(_INT4_CONSTANTS, _int4_lanes(source), ("",), prelude=prelude)
 
 
-# (program, bits a word) of each code read as words.
-_WORDS = {"int8": (_word_int8, 32), "float8_e4m3fn": (_word_fp8, 32), "int4": (_word_int4, 16)}
+_WORD_PROGRAMS = {"int8": _word_int8, "float8_e4m3fn": _word_fp8, "int4": _word_int4}
 
 
 def words_to_values(words, code: str, dtype, *, asm: bool) -> list:
@@ -176,13 +187,14 @@ def words_to_values(words, code: str, dtype, *, asm: bool) -> list:
     holding each word's code c (module note above); every value exact. asm: the packed
     PTX conversion (GPU, `dtype` bfloat16); else shifts and one cast a part (interpret
     mode, and float16 / float32 queries)."""
-    program, bits = _WORDS[code]
+    program = _WORD_PROGRAMS[code]
     if asm:
         if dtype != jnp.bfloat16:
             raise ValueError(f"words_to_values: the PTX conversion gives bfloat16, not {dtype}")
         if code == "int8":
             words = words ^ jnp.int32(-0x7F7F7F80)  # 0x80808080: each code's sign bit
-        constraints = "=r,r" if bits == 16 else "=r,r,r"  # two half-words fill one register
+        # two half-words (int16) fill one register, two words two
+        constraints = "=r,r" if words.dtype == jnp.int16 else "=r,r,r"
         return [
             plgpu.elementwise_inline_asm(
                 program(c), args=[words], constraints=constraints, pack=2,

@@ -354,7 +354,7 @@ def test_quantized_decode_v_words(quant):
 
 @pytest.mark.skipif(
     not util.ON_GPU,
-    reason="XLA:CPU expands the int32 view of the V pool into a copy (interpret mode only)",
+    reason="XLA:CPU expands the word view of the V pool into a copy (interpret mode only)",
 )
 @pytest.mark.parametrize(
     "quant", [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("int4", "group", 8)], ids=str
