@@ -77,18 +77,24 @@ def _sweep(heuristic) -> Sweep:
     from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
     def parse(spec: str) -> PagedDecodeConfig:
+        spec, _, rows = spec.partition("r")  # BLOCKxWARPSxSTAGESxSPLITS[rROWS]
         block_kv, warps, stages, splits = spec.split("x")
         h = heuristic.num_splits
         if splits.startswith("h"):
             factor = int(splits[2:]) if len(splits) > 1 else 1
             splits = h * factor if splits[1:2] in ("*", "") else max(1, h // factor)
         splits = int(splits)
-        return PagedDecodeConfig(int(block_kv), splits, int(warps), int(stages))
+        rows = int(rows) if rows else heuristic.query_rows
+        return PagedDecodeConfig(int(block_kv), splits, int(warps), int(stages), query_rows=rows)
 
-    def label(c) -> str:
-        return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}"
+    return Sweep(parse=parse, label=config_label, default=DEFAULT_SWEEP)
 
-    return Sweep(parse=parse, label=label, default=DEFAULT_SWEEP)
+
+def config_label(c) -> str:
+    """A decode tiling as BLOCKxWARPSxSTAGESxSPLITS, then rROWS where the query rows are
+    padded to fewer than 16 (`PagedDecodeConfig.query_rows`)."""
+    rows = "" if c.query_rows == 16 else f"r{c.query_rows}"
+    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}"
 
 
 def _inputs(row: DecodeRow, heads, seed: int, copy: int = 0):

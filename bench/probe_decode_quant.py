@@ -13,8 +13,9 @@ under 250 us run chained over the query sets). One line per tiling, also appende
 
 Shapes are BxCONTEXT; formats DTYPE (per tensor), DTYPE:GROUP (per group) or DTYPE:D (one
 group a row); tilings BLOCK_KVxWARPSxSTAGES with the heuristic's split count, or
-BLOCK_KVxWARPSxSTAGESxSPLITS, either with a suffix "c" to read V as codes rather than
-words (`PagedDecodeConfig.v_words`).
+BLOCK_KVxWARPSxSTAGESxSPLITS, either followed by "rROWS" to pad the query rows to ROWS
+(`PagedDecodeConfig.query_rows`; the heuristic's otherwise), then by "c" to read V as
+codes rather than words (`PagedDecodeConfig.v_words`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 import jaxattn
 from bench.common import interleave, op_measure
-from bench.decode import DecodeRow, ours
+from bench.decode import DecodeRow, config_label, ours
 from bench.decode_quant import HEADS, QuantInputs
 from jaxattn.decode import default_decode_config
 
@@ -59,10 +60,12 @@ def _probe(args, log) -> None:
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
                 sizes, codes, _ = tiling.partition("c")
+                sizes, _, rows = sizes.partition("r")
                 block_kv, warps, stages, *splits = map(int, sizes.split("x"))
                 splits = splits[0] if splits else chosen.num_splits
+                rows = int(rows) if rows else chosen.query_rows
                 configs[tiling] = jaxattn.PagedDecodeConfig(
-                    block_kv, splits, warps, stages, v_words=not codes
+                    block_kv, splits, warps, stages, v_words=not codes, query_rows=rows
                 )
             fns = {name: ours(c) for name, c in configs.items()}
             want = fns["heuristic"](*arg_sets[0]).astype(jnp.float32)
@@ -72,7 +75,7 @@ def _probe(args, log) -> None:
                 diff = float(jnp.max(jnp.abs(fn(*arg_sets[0]).astype(jnp.float32) - want)))
                 line = (
                     f"B{batch} ctx{context} {spec:18s} {name:10s} "
-                    f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}: "
+                    f"{config_label(c)}: "
                     f"{timing.median_s * 1e3:.3f} ms, max |diff| vs heuristic {diff:.2g}"
                 )
                 print(line, flush=True)

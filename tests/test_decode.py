@@ -113,8 +113,9 @@ def test_decode_vs_oracle(case, dtype, impl):
     q, cache, tables, lengths, k_hist, v_hist = _build(case, dtype, 0)
     want, want_lse = _oracle(case, q, k_hist, v_hist)
     configs = [None]
-    if impl == "pallas":  # split-K off and on: the same function
-        configs = [jaxattn.PagedDecodeConfig(16, 1), jaxattn.PagedDecodeConfig(16, 3)]
+    if impl == "pallas":  # split-K off and on, query rows padded to 16 and to 4 (or the
+        # group's 8): the same function
+        configs = [jaxattn.PagedDecodeConfig(16, 1), jaxattn.PagedDecodeConfig(16, 3, query_rows=4)]
     for config in configs:
         out, lse = jax.jit(
             lambda q, cache, tables, lengths, config=config: jaxattn.paged_decode(
@@ -235,6 +236,30 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
     assert (config.block_kv, config.num_warps, config.num_stages) == want
     few = heuristic(8, 8, 8192, 16)
     assert (few.block_kv, few.num_warps, few.num_stages) == (128, 4, 3)
+
+
+@pytest.mark.parametrize("batch, context", [(64, 16384), (8, 8192)])
+def test_decode_heuristic_query_rows(batch, context):
+    """Query rows padded to 8 for INT4 with group scales and 8-bit groups of 8 or 16; to
+    16 otherwise (`few_rows`)."""
+    heuristic = functools.partial(
+        jaxattn.PagedDecodeConfig.heuristic, batch, 8, context, 16, sm_count=132
+    )
+    eight = [dict(code="int4", group_size=g) for g in (8, 16, 32, 64)]
+    eight += [dict(code="int4", row_scales=True)]
+    eight += [dict(code=c, group_size=g) for c in ("int8", "float8_e4m3fn") for g in (8, 16)]
+    sixteen = [dict(), dict(code="int4"), dict(code="int8"), dict(code="float8_e4m3fn")]
+    sixteen += [dict(code="int8", row_scales=True), dict(code="int8", group_size=32)]
+    sixteen += [dict(code="float8_e4m3fn", group_size=64)]
+    assert [heuristic(**x).query_rows for x in eight] == [8] * len(eight)
+    assert [heuristic(**x).query_rows for x in sixteen] == [16] * len(sixteen)
+
+
+def test_decode_config_checks_query_rows():
+    for rows in (4, 8, 16):
+        assert jaxattn.PagedDecodeConfig(query_rows=rows).query_rows == rows
+    with pytest.raises(ValueError, match="query_rows=2 not 4, 8 or 16"):
+        jaxattn.PagedDecodeConfig(query_rows=2)
 
 
 def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
@@ -400,18 +425,18 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d):
     )  # fmt: skip
     want = oracle()[0][:, 0]
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
-    # (splits, V read as words where the format allows); on a GPU the codes path again
-    # where words apply (on CPU it runs in the cases at the default head dim, 32, where
-    # they do not); xla: one run
+    # (splits, V read as words where the format allows, query rows); on a GPU the codes
+    # path again where words apply (on CPU it runs in the cases at the default head dim,
+    # 32, where they do not); xla: one run
     words = reads_v_words(cache_format(cache), d)
-    runs = [(1, True), (2, True)] + [(2, False)] * (words and util.ON_GPU)
-    for splits, v_words in runs if impl == "pallas" else [(1, True)]:
-        config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words)
+    runs = [(1, True, 16), (2, True, 8)] + [(2, False, 4)] * (words and util.ON_GPU)
+    for splits, v_words, rows in runs if impl == "pallas" else [(1, True, 16)]:
+        config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words, query_rows=rows)
         out = jaxattn.paged_decode(
             q, cache, tables, lens, implementation=impl,
             config=config if impl == "pallas" else None, **options,
         )  # fmt: skip
-        what = f"{quant} splits {splits} v_words {v_words}"
+        what = f"{quant} splits {splits} v_words {v_words} rows {rows}"
         util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=what)
 
 

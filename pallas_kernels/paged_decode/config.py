@@ -16,6 +16,8 @@ _LONG_PROGRAMS_PER_SM = 16
 _FOUR_STAGES = {("int8", 0), ("float8_e4m3fn", 0), ("int8", 16), ("float8_e4m3fn", 32)}
 _SMALL_BLOCK_GROUP = 8
 _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one program per SM
+_FEW_ROWS = 8  # query rows of the formats below (`few_rows`): 8-bit codes, these group sizes
+_FEW_ROWS_8BIT_GROUPS = (8, 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,9 @@ class PagedDecodeConfig:
         INT4: 16-bit half-words), dequantized into four parts of strided channels
         (`cache_read.read_v_words`); ignored for float caches and for head dims and
         groups where words cannot apply (`cache_read.reads_v_words`).
+      query_rows: the kv group's query rows are padded to at least this many (4, 8 or
+        16; to a power of two of at least the group in any case) for the kernel's dots:
+        every elementwise step of the softmax runs over the padded rows.
     """
 
     block_kv: int = 64
@@ -39,6 +44,7 @@ class PagedDecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     v_words: bool = True
+    query_rows: int = 16
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -53,6 +59,8 @@ class PagedDecodeConfig:
             )
         if self.num_stages < 1:
             raise ValueError(f"PagedDecodeConfig: num_stages={self.num_stages} must be >= 1")
+        if self.query_rows not in (4, 8, 16):
+            raise ValueError(f"PagedDecodeConfig: query_rows={self.query_rows} not 4, 8 or 16")
 
     @classmethod
     def heuristic(
@@ -158,14 +166,15 @@ class PagedDecodeConfig:
         if code is None:
             return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
+        rows = _FEW_ROWS if few_rows(code, group_size, row_scales) else 16
         if programs >= sm_count and words:
             if group_size == _SMALL_BLOCK_GROUP:
-                return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
+                return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
             if (code, group_size) in _FOUR_STAGES and not row_scales:
-                return cls(block_kv, splits, num_warps=4, num_stages=4)
+                return cls(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
         if code == "int8" and row_scales and not words:
-            return cls(block_kv=64, num_splits=splits, num_warps=2, num_stages=3)
-        return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=3)
+            return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
+        return cls(block_kv, splits, num_warps=4, num_stages=3, query_rows=rows)
 
     @classmethod
     def for_format(
@@ -183,3 +192,28 @@ class PagedDecodeConfig:
             code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
             v_words=reads_v_words(fmt, head_dim),
         )  # fmt: skip
+
+
+def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
+    """Whether decode over this cache format pads its query rows to `_FEW_ROWS` (8) rather
+    than 16 (`PagedDecodeConfig.query_rows`): INT4 with group scales (any group, or one a
+    row), and 8-bit codes in groups of 8 or 16. A thread's accumulators, logits and
+    softmax vectors scale with the rows, and these formats hold the most registers a
+    thread besides (INT4 groups: 168 in the Nsight Compute profile of 12:00 UTC, three
+    programs an SM).
+
+    H100, GQA 32/8 (4 real rows), D 128, heuristic tilings, 16 rows against 8 (probes of
+    2026-11-26 14:55-15:04 UTC, bench/HISTORY.md):
+    - INT4 at B64 ctx16384, groups of 8 / 16 / 32 / 64 / one a row: 0.697 / 0.651 / 0.612
+      / 0.598 / 0.491 against 0.681 / 0.610 / 0.602 / 0.487 / 0.471 ms. At B32 ctx16384
+      groups of 32 0.343 against 0.291, of 64 0.343 against 0.247; at B8 ctx8192 2-14%.
+    - 8-bit groups of 8 and 16 (B64 ctx16384, B32 ctx16384, B8 ctx8192): 0-16% faster but
+      for INT8 groups of 16 at B32 (1% slower) and FP8 groups of 16 at B64 (0.907 against
+      0.931 ms; 0.081 against 0.068 at B8).
+    - Per tensor (INT4, INT8) ran within 2% either way, and INT8 with one scale a row at
+      B64 5% slower (0.794 against 0.830 ms): they keep 16 rows.
+    4 rows ran up to 9% faster than 8 for INT4 groups of 8 at B64, but slower at B32 and
+    for groups of 32."""
+    if code == "int4":
+        return bool(group_size) or row_scales
+    return code is not None and group_size in _FEW_ROWS_8BIT_GROUPS

@@ -1,10 +1,11 @@
 """Paged GQA decode (generation phase) as a Pallas Triton kernel.
 
 One program serves one sequence, one kv head and one split of the context: it holds the
-query rows of all heads of that kv group (`[G, D]`, padded to 16 rows for the tensor
-cores), so each cached K/V block is read once for the whole group (as TensorRT-LLM's XQA
-kernels do). Block tables are read in-kernel: a `block_kv`-token step gathers its rows from
-whatever pages hold them, so pages may lie anywhere in the pool and have any size.
+query rows of all heads of that kv group (`[G, D]`, padded to `config.query_rows`, 16, 8
+or 4: Triton's dots take each), so each cached K/V block is read once for the whole group
+(as TensorRT-LLM's XQA kernels do). Block tables are read in-kernel: a `block_kv`-token
+step gathers its rows from whatever pages hold them, so pages may lie anywhere in the pool
+and have any size.
 
 Split-K ("multi-block"): with `num_splits > 1` each program covers a contiguous chunk of
 its row's context and writes its normalised partial output and log-sum-exp; a second
@@ -69,8 +70,6 @@ from pallas_kernels.common import (
 from pallas_kernels.output import FP8, inverse_scale, output_value
 from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
-
-_MIN_ROWS = 16  # Triton's dot needs M >= 16: the group's query rows are padded to this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +442,7 @@ def paged_decode(
             "(or [B, Hq + 2 * Hkv, D] with new_kv=(None, None, slots)), Hq a multiple of Hkv"
         )
     group = num_q_heads // num_kv_heads
-    rows = max(_MIN_ROWS, next_power_of_2(group))
+    rows = max(config.query_rows, next_power_of_2(group))
     splits = config.num_splits
     out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
     quantize = out_dtype == FP8 and splits == 1
