@@ -16,8 +16,8 @@ _LONG_PROGRAMS_PER_SM = 16
 _FOUR_STAGES = {("int8", 0), ("float8_e4m3fn", 0), ("int8", 16), ("float8_e4m3fn", 32)}
 _SMALL_BLOCK_GROUP = 8
 _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one program per SM
-_FEW_ROWS = 8  # query rows of the formats below (`few_rows`): 8-bit codes, these group sizes
-_FEW_ROWS_8BIT_GROUPS = (8, 16)
+_FEW_ROWS = 8  # query rows of the formats `few_rows` names
+_FEW_ROWS_8BIT_GROUPS = (8, 16)  # the 8-bit group sizes among them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,7 @@ class PagedDecodeConfig:
           0.076 against 0.066 / 0.083, B4 ctx16384 0.038 / 0.044 against 0.039 / 0.051, B8
           ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
+          Query rows padded to 8 rather than 16 for the formats `few_rows` names.
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
