@@ -73,7 +73,8 @@ DEFAULT_SWEEP = (
 
 
 def _sweep(heuristic) -> Sweep:
-    """Decode config specs; "h" in the split position stands for `heuristic.num_splits`."""
+    """Decode config specs BLOCKxWARPSxSTAGESxSPLITS[rROWS]: "h" in the split position stands
+    for `heuristic.num_splits`, and without rROWS the query rows are the heuristic's."""
     from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
     def parse(spec: str) -> PagedDecodeConfig:

@@ -59,8 +59,10 @@ def _probe(args, log) -> None:
             chosen = default_decode_config(cache, batch, context)
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
-                sizes, codes, _ = tiling.partition("c")
+                sizes, codes, rest = tiling.partition("c")
                 sizes, _, rows = sizes.partition("r")
+                if rest:
+                    raise ValueError(f"--tilings: {tiling!r}: 'c' comes last")
                 block_kv, warps, stages, *splits = map(int, sizes.split("x"))
                 splits = splits[0] if splits else chosen.num_splits
                 rows = int(rows) if rows else chosen.query_rows

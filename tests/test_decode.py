@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -255,9 +256,29 @@ def test_decode_heuristic_query_rows(batch, context):
     assert [heuristic(**x).query_rows for x in sixteen] == [16] * len(sixteen)
 
 
-def test_decode_config_checks_query_rows():
-    for rows in (4, 8, 16):
-        assert jaxattn.PagedDecodeConfig(query_rows=rows).query_rows == rows
+def test_decode_rows_over_ppl_layouts():
+    """OpenPPL's cache layouts keep 16 query rows (8 ran slower through the PPL op)."""
+    from pallas_kernels.cache_read import CacheFormat, PoolLayout
+
+    ours = CacheFormat("int8", "group", 8)
+    ppl = dataclasses.replace(ours, layout=PoolLayout(("token", "kv", "head", "dim"), 16))
+    config = functools.partial(jaxattn.PagedDecodeConfig.for_format, head_dim=128, batch=64,
+                               num_kv_heads=8, max_context=8192, page_size=16)  # fmt: skip
+    assert (config(ours).query_rows, config(ppl).query_rows) == (8, 16)
+
+
+def test_decode_pads_query_rows_as_configured():
+    """The kernel's logits are `[rows, block_kv]`, rows = max(query_rows, the kv group's
+    query heads) (the kernel's results at 4, 8 and 16 rows: the oracle tests); query_rows
+    other than 4, 8 or 16 is refused."""
+    q = jnp.zeros((1, NUM_Q_HEADS, 32), jnp.float32)
+    tables, lens = jnp.arange(4, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
+    for num_kv_heads, query_rows, want in ((2, 4, 4), (2, 8, 8), (2, 16, 16), (1, 4, 8)):
+        cache = jaxattn.PagedKVCache.create(4, 8, num_kv_heads, 32, dtype=jnp.float32)
+        config = jaxattn.PagedDecodeConfig(16, 1, query_rows=query_rows)
+        decode = functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
+        text = str(jax.make_jaxpr(decode)(q, cache, tables, lens))
+        assert set(re.findall(r"f32\[(\d+),16\] = dot_general", text)) == {str(want)}
     with pytest.raises(ValueError, match="query_rows=2 not 4, 8 or 16"):
         jaxattn.PagedDecodeConfig(query_rows=2)
 
@@ -283,17 +304,17 @@ def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
     page, num_pages = 8, 4
     tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
     for dtype, group_size, d, want in (  # d 64: groups of 32 short of a row
-        ("int8", 8, 64, (64, 2, 3)),
-        ("float8_e4m3fn", 32, 64, (128, 4, 4)),
-        ("int8", None, 64, (128, 4, 3)),
-        ("int8", None, 32, (64, 2, 3)),
+        ("int8", 8, 64, (64, 2, 3, 8)),
+        ("float8_e4m3fn", 32, 64, (128, 4, 4, 16)),
+        ("int8", None, 64, (128, 4, 3, 16)),
+        ("int8", None, 32, (64, 2, 3, 16)),
     ):
         q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
         quant = jaxattn.KVQuant(dtype, "group", group_size)
         cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
         jaxattn.paged_decode(q, cache, tables, lens, implementation="pallas")
         got = configs[-1]
-        assert (got.block_kv, got.num_warps, got.num_stages) == want, (quant, got)
+        assert (got.block_kv, got.num_warps, got.num_stages, got.query_rows) == want, (quant, got)
 
 
 @pytest.mark.parametrize(
@@ -518,9 +539,10 @@ def test_kernel_writes_the_new_token(case, splits, rope):
     opts = _options(case)
     params = DecodeParams(window=case.window, sink_tokens=case.sink_tokens,
                           soft_cap=case.soft_cap, scale=case.scale or d**-0.5)  # fmt: skip
+    rows = 16 if splits == 1 else 4  # query rows: 16, or the group's own 4 (mqa: 8)
+    config = jaxattn.PagedDecodeConfig(16, splits, query_rows=rows)
     out, lse, k_after, v_after = jax.jit(
-        functools.partial(paged_decode, params=params, interpret=use_interpret(),
-                          config=jaxattn.PagedDecodeConfig(16, splits))  # fmt: skip
+        functools.partial(paged_decode, params=params, interpret=use_interpret(), config=config)
     )(
         q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, lengths,
         alibi_slopes=opts["alibi_slopes"], q_rope=q_rope,

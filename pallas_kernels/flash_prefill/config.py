@@ -25,7 +25,7 @@ class FlashPrefillConfig:
     Attributes (the first four tile the Triton kernel; each left None is taken from
     `heuristic` for the call's shape, so a config built only to choose `backend`,
     `backward` or `mosaic` tiles like no config at all):
-      block_q: query rows per program (a power of two, >= 16: Triton's dot minimum).
+      block_q: query rows per program (a power of two, >= 16).
       block_kv: keys per inner-loop step (a power of two, >= 16).
       num_warps: warps per program.
       num_stages: software-pipelining depth of the KV loop.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.cache_read import CacheFormat, reads_v_words
+from pallas_kernels.cache_read import PAGES, CacheFormat, reads_v_words
 from pallas_kernels.common import device_sm_count
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
@@ -187,12 +187,16 @@ class PagedDecodeConfig:
         max_context: int,
         page_size: int,
     ) -> PagedDecodeConfig:
-        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim."""
-        return cls.heuristic(
+        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim;
+        other layouts than our pages (OpenPPL's caches) keep 16 query rows (`few_rows`)."""
+        config = cls.heuristic(
             batch, num_kv_heads, max_context, page_size,
             code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
             v_words=reads_v_words(fmt, head_dim),
         )  # fmt: skip
+        if fmt.layout != PAGES:
+            config = dataclasses.replace(config, query_rows=16)
+        return config
 
 
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
@@ -208,13 +212,20 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     - INT4 at B64 ctx16384, groups of 8 / 16 / 32 / 64 / one a row: 0.697 / 0.651 / 0.612
       / 0.598 / 0.491 against 0.681 / 0.610 / 0.602 / 0.487 / 0.471 ms. At B32 ctx16384
       groups of 32 0.343 against 0.291, of 64 0.343 against 0.247; at B8 ctx8192 2-14%.
-    - 8-bit groups of 8 and 16 (B64 ctx16384, B32 ctx16384, B8 ctx8192): 0-16% faster but
-      for INT8 groups of 16 at B32 (1% slower) and FP8 groups of 16 at B64 (0.907 against
-      0.931 ms; 0.081 against 0.068 at B8).
-    - Per tensor (INT4, INT8) ran within 2% either way, and INT8 with one scale a row at
-      B64 5% slower (0.794 against 0.830 ms): they keep 16 rows.
-    4 rows ran up to 9% faster than 8 for INT4 groups of 8 at B64, but slower at B32 and
-    for groups of 32."""
+    - 8-bit groups of 8 and 16 (B64 ctx16384, B32 ctx16384, B8 ctx8192): 0-16% faster (FP8
+      groups of 16 at B8: 0.081 against 0.068 ms) but for INT8 groups of 16 at B32 (1%
+      slower) and FP8 groups of 16 at B64 (0.907 against 0.931 ms).
+    - Per tensor (INT4, INT8) ran within 3% either way, and INT8 with one scale a row at
+      B64 5% slower (0.794 against 0.830 ms): they keep 16 rows, as do the formats not
+      probed (FP8 per tensor and one a row, 8-bit groups of 32 and 64 but INT8 groups of
+      32 at B64, within 1%).
+    4 rows ran 7-8% faster than 8 for INT4 groups of 8 at B64, but slower at B32 and for
+    groups of 32 (up to 22%).
+    Our pools only: over OpenPPL's caches (`jaxattn.ppl`: token rows, float16 scales) the
+    PPL op's decode step (B64 ctx8192, INT8 groups of 8) ran 8-13% slower with 8 rows
+    (layouts 0 / 3: 0.620 / 0.563 against 0.670 / 0.634 ms; our op on our pools 0.510
+    against 0.499; probe of 15:43 UTC), so `PagedDecodeConfig.for_format` keeps 16
+    there."""
     if code == "int4":
         return bool(group_size) or row_scales
     return code is not None and group_size in _FEW_ROWS_8BIT_GROUPS

@@ -1,11 +1,11 @@
 """Paged GQA decode (generation phase) as a Pallas Triton kernel.
 
 One program serves one sequence, one kv head and one split of the context: it holds the
-query rows of all heads of that kv group (`[G, D]`, padded to `config.query_rows`, 16, 8
-or 4: Triton's dots take each), so each cached K/V block is read once for the whole group
-(as TensorRT-LLM's XQA kernels do). Block tables are read in-kernel: a `block_kv`-token
-step gathers its rows from whatever pages hold them, so pages may lie anywhere in the pool
-and have any size.
+query rows of all heads of that kv group (`[G, D]`, padded to a power of two of at least
+`config.query_rows`, 16, 8 or 4: Triton's dots take each), so each cached K/V block is read
+once for the whole group (as TensorRT-LLM's XQA kernels do). Block tables are read
+in-kernel: a `block_kv`-token step gathers its rows from whatever pages hold them, so
+pages may lie anywhere in the pool and have any size.
 
 Split-K ("multi-block"): with `num_splits > 1` each program covers a contiguous chunk of
 its row's context and writes its normalised partial output and log-sum-exp; a second
