@@ -398,6 +398,23 @@ def test_quantized_decode_v_words(quant):
     _quantized_decode_vs_oracle(quant, "float32", "pallas", 64)
 
 
+@pytest.mark.skipif(not util.ON_GPU, reason="128-token blocks at D 128: slow in interpret mode")
+@pytest.mark.parametrize(
+    "quant",
+    [jaxattn.KVQuant("int4", "group", 32), jaxattn.KVQuant("int4", "group", 64),
+     jaxattn.KVQuant("int4", "group", None), jaxattn.KVQuant("int8", "group", 8)],
+    ids=str,
+)  # fmt: skip
+def test_quantized_decode_shipped_tiling(quant):
+    """The tiling the heuristic picks at head dim 128 (128-token blocks, V read as words,
+    query rows padded to 8) against the float64 oracle, bf16 queries."""
+    assert jaxattn.PagedDecodeConfig.heuristic(
+        6, 2, 80, 8, code=quant.dtype, group_size=quant.group_size or 0,
+        row_scales=quant.group_size is None,
+    ).query_rows == 8  # fmt: skip
+    _quantized_decode_vs_oracle(quant, "bfloat16", "pallas", 128, heuristic=True)
+
+
 @pytest.mark.skipif(
     not util.ON_GPU,
     reason="XLA:CPU expands the word view of the V pool into a copy (interpret mode only)",
@@ -419,7 +436,8 @@ def test_v_words_view_is_no_copy(quant):
     assert compiled.memory_analysis().temp_size_in_bytes < cache.v_pages.nbytes // 4
 
 
-def _quantized_decode_vs_oracle(quant, dtype, impl, d):
+def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False):
+    """`heuristic`: one run, the tiling `paged_decode` picks (else fixed tilings below)."""
     rng = util.rng_for("quant-decode", str(quant), dtype, d)
     page, max_pages, hkv, num_pages = 8, 10, 2, 64
     lengths = np.array([1, 8, 9, 48, 30, 80])
@@ -451,12 +469,15 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d):
     # 32, where they do not); xla: one run
     words = reads_v_words(cache_format(cache), d)
     runs = [(1, True, 16), (2, True, 8)] + [(2, False, 4)] * (words and util.ON_GPU)
-    for splits, v_words, rows in runs if impl == "pallas" else [(1, True, 16)]:
-        config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words, query_rows=rows)
+    if impl != "pallas" or heuristic:
+        runs = [(None, None, None)]
+    for splits, v_words, rows in runs:
+        config = None
+        if splits is not None:
+            config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words, query_rows=rows)
         out = jaxattn.paged_decode(
-            q, cache, tables, lens, implementation=impl,
-            config=config if impl == "pallas" else None, **options,
-        )  # fmt: skip
+            q, cache, tables, lens, implementation=impl, config=config, **options
+        )
         what = f"{quant} splits {splits} v_words {v_words} rows {rows}"
         util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=what)
 
