@@ -469,17 +469,12 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False):
     # 32, where they do not); xla: one run
     words = reads_v_words(cache_format(cache), d)
     runs = [(1, True, 16), (2, True, 8)] + [(2, False, 4)] * (words and util.ON_GPU)
-    if impl != "pallas" or heuristic:
-        runs = [(None, None, None)]
-    for splits, v_words, rows in runs:
-        config = None
-        if splits is not None:
-            config = jaxattn.PagedDecodeConfig(16, splits, v_words=v_words, query_rows=rows)
+    configs = [jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r) for n, w, r in runs]
+    for config in [None] if impl != "pallas" or heuristic else configs:
         out = jaxattn.paged_decode(
             q, cache, tables, lens, implementation=impl, config=config, **options
         )
-        what = f"{quant} splits {splits} v_words {v_words} rows {rows}"
-        util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=what)
+        util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=f"{quant} {config}")
 
 
 def test_combine_splits_vs_numpy():

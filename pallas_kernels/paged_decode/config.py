@@ -75,6 +75,7 @@ class PagedDecodeConfig:
         row_scales: bool = False,
         group_size: int = 0,
         v_words: bool = True,
+        pages: bool = True,
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
@@ -143,7 +144,8 @@ class PagedDecodeConfig:
           0.076 against 0.066 / 0.083, B4 ctx16384 0.038 / 0.044 against 0.039 / 0.051, B8
           ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
-          Query rows padded to 8 rather than 16 for the formats `few_rows` names.
+          Query rows padded to 8 rather than 16 for the formats `few_rows` names, over our
+          pages (`pages`; OpenPPL's layouts keep 16).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -167,7 +169,7 @@ class PagedDecodeConfig:
         if code is None:
             return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
-        rows = _FEW_ROWS if few_rows(code, group_size, row_scales) else 16
+        rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
         if programs >= sm_count and words:
             if group_size == _SMALL_BLOCK_GROUP:
                 return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
@@ -187,16 +189,12 @@ class PagedDecodeConfig:
         max_context: int,
         page_size: int,
     ) -> PagedDecodeConfig:
-        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim;
-        other layouts than our pages (OpenPPL's caches) keep 16 query rows (`few_rows`)."""
-        config = cls.heuristic(
+        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim."""
+        return cls.heuristic(
             batch, num_kv_heads, max_context, page_size,
             code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
-            v_words=reads_v_words(fmt, head_dim),
+            v_words=reads_v_words(fmt, head_dim), pages=fmt.layout == PAGES,
         )  # fmt: skip
-        if fmt.layout != PAGES:
-            config = dataclasses.replace(config, query_rows=16)
-        return config
 
 
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
@@ -222,10 +220,10 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     4 rows ran 7-8% faster than 8 for INT4 groups of 8 at B64, but slower at B32 and for
     groups of 32 (up to 22%).
     Our pools only: over OpenPPL's caches (`jaxattn.ppl`: token rows, float16 scales) the
-    PPL op's decode step (B64 ctx8192, INT8 groups of 8) ran 8-13% slower with 8 rows
+    PPL op's decode step (B64 ctx8192, INT8 groups of 8) ran 7-12% slower with 8 rows
     (layouts 0 / 3: 0.620 / 0.563 against 0.670 / 0.634 ms; our op on our pools 0.510
-    against 0.499; probe of 15:43 UTC), so `PagedDecodeConfig.for_format` keeps 16
-    there."""
+    against 0.499; probe of 15:43 UTC), so they keep 16 (`PagedDecodeConfig.heuristic`'s
+    `pages`)."""
     if code == "int4":
         return bool(group_size) or row_scales
     return code is not None and group_size in _FEW_ROWS_8BIT_GROUPS
