@@ -93,9 +93,11 @@ def _sweep(heuristic) -> Sweep:
 
 def config_label(c) -> str:
     """A decode tiling as BLOCKxWARPSxSTAGESxSPLITS, then rROWS where the query rows are
-    padded to fewer than 16 (`PagedDecodeConfig.query_rows`)."""
+    padded to fewer than 16 (`PagedDecodeConfig.query_rows`), then "s" where group scales
+    go through stacked rows (`PagedDecodeConfig.stacked`)."""
     rows = "" if c.query_rows == 16 else f"r{c.query_rows}"
-    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}"
+    stacked = "s" if c.stacked else ""
+    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}{stacked}"
 
 
 def _inputs(row: DecodeRow, heads, seed: int, copy: int = 0):

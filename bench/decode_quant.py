@@ -127,7 +127,7 @@ def _decode_quant_rows(settings: Settings, row: DecodeRow) -> list:
     rows, base_ms = [], None
     for quant in formats(settings.smoke):
         cache = inputs.cache(quant)
-        config = default_decode_config(cache, row.batch, row.context)  # what the op picks
+        config = default_decode_config(cache, row.batch, row.context, heads[0] // num_kv_heads)
         kv_bytes = 2.0 * row.batch * row.context * num_kv_heads
         kv_bytes *= bytes_per_token_head(quant, head_dim)
         ideal = bytes_per_token_head(None, head_dim) / bytes_per_token_head(quant, head_dim)

@@ -15,13 +15,15 @@ Shapes are BxCONTEXT; formats DTYPE (per tensor), DTYPE:GROUP (per group) or DTY
 group a row); tilings BLOCK_KVxWARPSxSTAGES with the heuristic's split count, or
 BLOCK_KVxWARPSxSTAGESxSPLITS, either followed by "rROWS" to pad the query rows to ROWS
 (`PagedDecodeConfig.query_rows`; the heuristic's otherwise), then by "c" to read V as
-codes rather than words (`PagedDecodeConfig.v_words`).
+codes rather than words (`PagedDecodeConfig.v_words`), then by "s" to apply group scales
+through stacked rows (`PagedDecodeConfig.stacked`; off otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import jax.numpy as jnp
 
@@ -37,6 +39,22 @@ def _quant(spec: str):
     if not group:
         return jaxattn.KVQuant(dtype)
     return jaxattn.KVQuant(dtype, "group", None if group == "D" else int(group))
+
+
+_TILING = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+))?(?:r(\d+))?(c)?(s)?")
+
+
+def _tiling(spec: str, chosen):
+    """BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s] -> a config (module doc)."""
+    match = _TILING.fullmatch(spec)
+    if not match:
+        raise ValueError(f"--tilings: {spec!r} is not BLOCKxWARPSxSTAGES[xSPLITS][rROWS][c][s]")
+    block_kv, warps, stages, splits, rows, codes, stacked = match.groups()
+    return jaxattn.PagedDecodeConfig(
+        int(block_kv), int(splits) if splits else chosen.num_splits, int(warps), int(stages),
+        v_words=not codes, query_rows=int(rows) if rows else chosen.query_rows,
+        stacked=bool(stacked),
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -56,19 +74,10 @@ def _probe(args, log) -> None:
         for spec in args.formats.split(","):
             cache = inputs.cache(_quant(spec))
             arg_sets = inputs.arg_sets(cache)
-            chosen = default_decode_config(cache, batch, context)
+            chosen = default_decode_config(cache, batch, context, HEADS[0] // HEADS[1])
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
-                sizes, codes, rest = tiling.partition("c")
-                sizes, _, rows = sizes.partition("r")
-                if rest:
-                    raise ValueError(f"--tilings: {tiling!r}: 'c' comes last")
-                block_kv, warps, stages, *splits = map(int, sizes.split("x"))
-                splits = splits[0] if splits else chosen.num_splits
-                rows = int(rows) if rows else chosen.query_rows
-                configs[tiling] = jaxattn.PagedDecodeConfig(
-                    block_kv, splits, warps, stages, v_words=not codes, query_rows=rows
-                )
+                configs[tiling] = _tiling(tiling, chosen)
             fns = {name: ours(c) for name, c in configs.items()}
             want = fns["heuristic"](*arg_sets[0]).astype(jnp.float32)
             measures = [op_measure(fn, arg_sets, warmup=3) for fn in fns.values()]

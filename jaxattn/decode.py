@@ -184,12 +184,15 @@ def paged_decode(
     return run_first(implementation, run)
 
 
-def default_decode_config(cache: PagedKVCache, batch: int, max_context: int) -> PagedDecodeConfig:
+def default_decode_config(
+    cache: PagedKVCache, batch: int, max_context: int, query_group: int = 0
+) -> PagedDecodeConfig:
     """The decode kernel's tiling for `batch` rows over `cache` with tables of `max_context`
-    tokens when none is given: `PagedDecodeConfig.for_format` of the cache's format."""
+    tokens when none is given: `PagedDecodeConfig.for_format` of the cache's format;
+    `query_group`: query heads a kv head serves (0: not known)."""
     return PagedDecodeConfig.for_format(
         cache_format(cache), cache.head_dim, batch, cache.num_kv_heads, max_context,
-        cache.page_size,
+        cache.page_size, query_group=query_group,
     )  # fmt: skip
 
 
@@ -292,7 +295,10 @@ def _pallas_local(
         validation.check_fp8_kernel_output()
     fmt = cache_format(cache)
     if config is None:
-        config = default_decode_config(cache, q.shape[0], block_tables.shape[1] * cache.page_size)
+        config = default_decode_config(
+            cache, q.shape[0], block_tables.shape[1] * cache.page_size,
+            query_group=q.shape[1] // cache.num_kv_heads,
+        )  # fmt: skip
     params = DecodeParams(
         window=None if window is None else int(window),
         sink_tokens=int(sink_tokens),

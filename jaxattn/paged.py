@@ -475,8 +475,9 @@ def _pallas(
     )
     if relative_bias is not None:  # every row takes the flash kernel
         return _zero_padding(*context(q, k_new, v_new, batch), real, out_dtype)
+    query_group = q.shape[1] // cache.num_kv_heads
     decode = _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out,
-                            interpret, rope=rope)  # fmt: skip
+                            interpret, rope=rope, query_group=query_group)  # fmt: skip
     if meta.decode_only:
         out, lse = _decode_tokens(decode, q, meta, decode_rows, rope=rope, q_rope=q_rotations)
         return out, lse.T
@@ -515,13 +516,16 @@ def _kernel_output(out_dtype, out_scale) -> dict:
     return dict(out_dtype=out_dtype if fp8 else None, out_scale=out_scale)
 
 
-def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, interpret, rope):
+def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, interpret, rope,
+                   query_group=0):  # fmt: skip
     """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
-    or the heuristic for the plan's rows (its tokens when decode-only)."""
+    or the heuristic for the plan's rows (its tokens when decode-only); `query_group`:
+    query heads a kv head serves (0: not known)."""
     decode_config = config.decode or default_decode_config(
         cache,
         meta.max_tokens if meta.decode_only else meta.max_seqs,
         meta.max_pages * cache.page_size,
+        query_group,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined

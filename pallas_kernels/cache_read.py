@@ -234,7 +234,7 @@ def scaled_sum(dots, part_scales=None):
 
 
 def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scales=None,
-            asm: bool = False, biased: bool = False):  # fmt: skip
+            asm: bool = False, biased: bool = False, unscaled: bool = False):  # fmt: skip
     """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
     dequantized except for factored scales (`fmt.factored`: the caller applies
     `factored_scales`).
@@ -253,6 +253,8 @@ def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scal
       scales: finer groups: what `load_scales` gave for these tokens.
       biased: INT4 with factored scales: the values plus `codes.INT4_BIAS` (the caller
         takes `INT4_BIAS * sum(q)` off the logits; the decode kernel's `biased_keys`).
+      unscaled: the codes' values whatever the scales (the caller applies them: the
+        decode kernel's stacked rows, `paged_decode.stacked`).
     """
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
@@ -261,7 +263,7 @@ def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scal
     ok = t_ok[:, None] & (dims < part_dim)[None, :]
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     raw = plgpu.load(ref.at[(*index, dims[None, :])], mask=ok, other=other)
-    if fmt.dtype is None or fmt.factored(head_dim):
+    if fmt.dtype is None or fmt.factored(head_dim) or unscaled:
         return tuple(_decode(raw, fmt, dtype, asm, biased))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = []
@@ -402,7 +404,7 @@ def word_part_scales(v_scale):
 
 
 def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
-                 asm: bool = False):  # fmt: skip
+                 asm: bool = False, unscaled: bool = False):  # fmt: skip
     """A V tile of `block` tokens read as words from `ref` (the V pool viewed as
     `[..., D / 4]` words of four codes: int32 for 8-bit codes, int16 for INT4): four parts
     `[block, D / 4]` of `dtype`, holding the channels `v_word_columns` says, dequantized
@@ -420,7 +422,7 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     index = fmt.layout.index(ref, entries, offsets, kvh, 1)
     width = head_dim // 4
     raw = plgpu.load(ref.at[(*index, jnp.arange(width)[None, :])], mask=t_ok[:, None], other=0)
-    if fmt.factored(head_dim):  # the codes' values; the caller applies the scales
+    if fmt.factored(head_dim) or unscaled:  # the codes' values; the caller applies the scales
         return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm and dtype == jnp.bfloat16))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = words_to_values(raw, fmt.dtype, exact, asm=asm and exact == jnp.bfloat16)

@@ -256,6 +256,26 @@ def test_decode_heuristic_query_rows(batch, context):
     assert [heuristic(**x).query_rows for x in sixteen] == [16] * len(sixteen)
 
 
+def test_decode_heuristic_stacked_groups():
+    """Group scales go through stacked rows (4 of them) for INT4 with two groups a half row
+    and kv groups of at most 4 query heads, over our pages (`stacked_groups`); not for
+    finer or coarser INT4 groups, larger kv groups, 8-bit groups, OpenPPL's layouts, V
+    not read as words, or a head dim or kv group not given."""
+    heuristic = functools.partial(
+        jaxattn.PagedDecodeConfig.heuristic, 64, 8, 16384, 16, sm_count=132, code="int4"
+    )
+    for head_dim, group_size, query_group in ((128, 32, 4), (64, 16, 4), (256, 64, 1)):
+        config = heuristic(group_size=group_size, head_dim=head_dim, query_group=query_group)
+        assert (config.stacked, config.query_rows) == (True, 4), (head_dim, group_size)
+        assert (config.block_kv, config.num_warps, config.num_stages) == (128, 4, 3)
+    unstacked = [dict(group_size=16), dict(group_size=64), dict(query_group=8),
+                 dict(code="int8", group_size=64), dict(code="float8_e4m3fn", group_size=64),
+                 dict(pages=False), dict(v_words=False), dict(head_dim=0), dict(query_group=0)]  # fmt: skip
+    for change in unstacked:
+        config = heuristic(**{**dict(group_size=32, head_dim=128, query_group=4), **change})
+        assert not config.stacked, change
+
+
 def test_decode_rows_over_ppl_layouts():
     """OpenPPL's cache layouts keep 16 query rows (8 ran slower through the PPL op)."""
     from pallas_kernels.cache_read import CacheFormat, PoolLayout
@@ -284,10 +304,12 @@ def test_decode_pads_query_rows_as_configured():
 
 
 def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
-    """The op hands the heuristic the cache's group size and whether V is read as words:
-    on a GPU of as many SMs as programs, INT8 in groups of 8 gets 64-token blocks in 2
-    warps, FP8 in groups of 32 4 stages, INT8 with one group a row (not per tensor) 3
-    stages; at head dim 32 (no words) that one 64-token blocks in 2 warps."""
+    """The op hands the heuristic the cache's group size, whether V is read as words, the
+    head dim and the query heads a kv head serves: on a GPU of as many SMs as programs,
+    INT8 in groups of 8 gets 64-token blocks in 2 warps, FP8 in groups of 32 4 stages,
+    INT8 with one group a row (not per tensor) 3 stages; at head dim 32 (no words) that
+    one 64-token blocks in 2 warps; INT4 in groups of 16 at head dim 64 (two a half row)
+    stacked rows, 4 of them, at head dim 128 not."""
     import jaxattn.decode as decode
     import pallas_kernels.paged_decode.config as decode_config
 
@@ -304,17 +326,20 @@ def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
     page, num_pages = 8, 4
     tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
     for dtype, group_size, d, want in (  # d 64: groups of 32 short of a row
-        ("int8", 8, 64, (64, 2, 3, 8)),
-        ("float8_e4m3fn", 32, 64, (128, 4, 4, 16)),
-        ("int8", None, 64, (128, 4, 3, 16)),
-        ("int8", None, 32, (64, 2, 3, 16)),
+        ("int8", 8, 64, (64, 2, 3, 8, False)),
+        ("float8_e4m3fn", 32, 64, (128, 4, 4, 16, False)),
+        ("int8", None, 64, (128, 4, 3, 16, False)),
+        ("int8", None, 32, (64, 2, 3, 16, False)),
+        ("int4", 16, 64, (128, 4, 3, 4, True)),
+        ("int4", 16, 128, (128, 4, 3, 8, False)),
     ):
         q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
         quant = jaxattn.KVQuant(dtype, "group", group_size)
         cache = jaxattn.PagedKVCache.create(num_pages, page, 2, d, quant=quant)
         jaxattn.paged_decode(q, cache, tables, lens, implementation="pallas")
         got = configs[-1]
-        assert (got.block_kv, got.num_warps, got.num_stages, got.query_rows) == want, (quant, got)
+        fields = (got.block_kv, got.num_warps, got.num_stages, got.query_rows, got.stacked)
+        assert fields == want, (quant, got)
 
 
 @pytest.mark.parametrize(
@@ -375,14 +400,16 @@ def test_quantized_decode_odd_head_dim(quant):
     [jaxattn.KVQuant("int8"), jaxattn.KVQuant("int8", "group", 8),
      jaxattn.KVQuant("float8_e4m3fn", "group", 16),
      jaxattn.KVQuant("float8_e4m3fn", "group", None), jaxattn.KVQuant("int4"),
-     jaxattn.KVQuant("int4", "group", 8), jaxattn.KVQuant("int4", "group", 32),
-     jaxattn.KVQuant("int4", "group", None)],
+     jaxattn.KVQuant("int4", "group", 8), jaxattn.KVQuant("int4", "group", 16),
+     jaxattn.KVQuant("int4", "group", 32), jaxattn.KVQuant("int4", "group", None)],
     ids=str,
 )  # fmt: skip
 def test_quantized_decode_v_words(quant):
     """Head dim 64: V read as words (8-bit codes: int32 words; INT4: int16 half-words;
-    parts of 16 strided channels each, the group scales spread over them; INT4 groups of 32
-    are one a half row, factored), with and without splits (on a GPU also as codes; on
+    parts of 16 strided channels each, the group scales spread over them or, with stacked
+    rows, applied to logits and probabilities: INT4 groups of 16 are two a half row, as
+    groups of 32 at D 128; INT4 groups of 32 are one a half row, factored), with and
+    without splits (on a GPU also as codes; on
     CPU the codes path runs in the default head dim's cases, 32, where words do not
     apply). The words path runs when asked: the kernel then takes the V pool as words."""
     scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
@@ -407,11 +434,14 @@ def test_quantized_decode_v_words(quant):
 )  # fmt: skip
 def test_quantized_decode_shipped_tiling(quant):
     """The tiling the heuristic picks at head dim 128 (128-token blocks, V read as words,
-    query rows padded to 8) against the float64 oracle, bf16 queries."""
-    assert jaxattn.PagedDecodeConfig.heuristic(
+    query rows padded to 8; INT4 groups of 32: stacked rows, 4) against the float64
+    oracle, bf16 queries."""
+    config = jaxattn.PagedDecodeConfig.heuristic(
         6, 2, 80, 8, code=quant.dtype, group_size=quant.group_size or 0,
-        row_scales=quant.group_size is None,
-    ).query_rows == 8  # fmt: skip
+        row_scales=quant.group_size is None, head_dim=128, query_group=NUM_Q_HEADS // 2,
+    )  # fmt: skip
+    stacked = quant == jaxattn.KVQuant("int4", "group", 32)
+    assert (config.query_rows, config.stacked) == ((4, True) if stacked else (8, False))
     _quantized_decode_vs_oracle(quant, "bfloat16", "pallas", 128, heuristic=True)
 
 
@@ -464,12 +494,17 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False):
     )  # fmt: skip
     want = oracle()[0][:, 0]
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
-    # (splits, V read as words where the format allows, query rows); on a GPU the codes
-    # path again where words apply (on CPU it runs in the cases at the default head dim,
-    # 32, where they do not); xla: one run
+    # On a GPU the codes path runs again where words apply (on CPU it runs in the cases at
+    # the default head dim, 32, where they do not); xla: one run.
     words = reads_v_words(cache_format(cache), d)
-    runs = [(1, True, 16), (2, True, 8)] + [(2, False, 4)] * (words and util.ON_GPU)
-    configs = [jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r) for n, w, r in runs]
+    # (splits, V read as words where the format allows, query rows, stacked rows where the
+    # format allows: `paged_decode.stacked`)
+    runs = [(1, True, 16, False), (2, True, 8, False), (2, True, 4, True)]
+    runs += [(2, False, 4, False)] * (words and util.ON_GPU)
+    configs = [
+        jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r, stacked=st)
+        for n, w, r, st in runs
+    ]
     for config in [None] if impl != "pallas" or heuristic else configs:
         out = jaxattn.paged_decode(
             q, cache, tables, lens, implementation=impl, config=config, **options

@@ -230,10 +230,14 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("v_words", [True, False])
-def test_v_words_lower_to_triton(quant, q_dtype, v_words):
-    """V read as words (PTX for bf16 queries, shifts and casts for the others) or as codes."""
-    config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=2, v_words=v_words)
+@pytest.mark.parametrize("read", ["codes", "words", "stacked"])
+def test_v_words_lower_to_triton(quant, q_dtype, read):
+    """V read as words (PTX for bf16 queries, shifts and casts for the others) or as codes;
+    group scales per value or through stacked rows (`paged_decode.stacked`)."""
+    config = jaxattn.PagedDecodeConfig(
+        block_kv=64, num_splits=2, v_words=read != "codes", stacked=read == "stacked",
+        query_rows=4 if read == "stacked" else 16,
+    )  # fmt: skip
     fn = jax.jit(
         lambda q, cache, tables, lengths: jaxattn.paged_decode(
             q, cache, tables, lengths, implementation="pallas", config=config

@@ -18,6 +18,7 @@ _SMALL_BLOCK_GROUP = 8
 _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one program per SM
 _FEW_ROWS = 8  # query rows of the formats `few_rows` names
 _FEW_ROWS_8BIT_GROUPS = (8, 16)  # the 8-bit group sizes among them
+_STACKED_ROWS = 8  # at most this many stacked query rows (groups x rows) are stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,10 @@ class PagedDecodeConfig:
       query_rows: the kv group's query rows are padded to at least this many (4, 8 or
         16; to a power of two of at least the group in any case) for the kernel's dots:
         every elementwise step of the softmax runs over the padded rows.
+      stacked: group scales finer than a part's row are applied through stacked query rows
+        (`paged_decode.stacked`: one row block per group, the scales multiplying logits and
+        probabilities) rather than per cached value; with V read as words, no rope on read
+        (`paged_decode.stacked.stacks`); ignored otherwise.
     """
 
     block_kv: int = 64
@@ -45,6 +50,7 @@ class PagedDecodeConfig:
     num_stages: int = 3
     v_words: bool = True
     query_rows: int = 16
+    stacked: bool = False
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -76,6 +82,8 @@ class PagedDecodeConfig:
         group_size: int = 0,
         v_words: bool = True,
         pages: bool = True,
+        head_dim: int = 0,
+        query_group: int = 0,
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
@@ -145,7 +153,10 @@ class PagedDecodeConfig:
           ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
           Query rows padded to 8 rather than 16 for the formats `few_rows` names, over our
-          pages (`pages`; OpenPPL's layouts keep 16).
+          pages (`pages`; OpenPPL's layouts keep 16). INT4 with two groups a half row
+          (groups of 32 at D 128) applies its scales through stacked rows, 4 query rows
+          (`stacked_groups`; `head_dim` and `query_group`, the query heads a kv head
+          serves, decide it; 0: not known, not stacked).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -170,6 +181,8 @@ class PagedDecodeConfig:
             return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
         rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
+        if pages and v_words and stacked_groups(code, group_size, head_dim, query_group):
+            return cls(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
         if programs >= sm_count and words:
             if group_size == _SMALL_BLOCK_GROUP:
                 return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
@@ -188,12 +201,15 @@ class PagedDecodeConfig:
         num_kv_heads: int,
         max_context: int,
         page_size: int,
+        query_group: int = 0,
     ) -> PagedDecodeConfig:
-        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim."""
+        """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim;
+        `query_group`: query heads a kv head serves (0: not known)."""
         return cls.heuristic(
             batch, num_kv_heads, max_context, page_size,
             code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
             v_words=reads_v_words(fmt, head_dim), pages=fmt.layout == PAGES,
+            head_dim=head_dim, query_group=query_group,
         )  # fmt: skip
 
 
@@ -227,3 +243,25 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     if code == "int4":
         return bool(group_size) or row_scales
     return code is not None and group_size in _FEW_ROWS_8BIT_GROUPS
+
+
+def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group: int) -> bool:
+    """Whether decode over this cache applies its group scales through stacked query rows
+    (`PagedDecodeConfig.stacked`, `paged_decode.stacked`), 4 rows: INT4 whose half row
+    holds two groups (groups of 32 at D 128), for kv groups of at most 4 query heads
+    (stacked rows: two groups x 4 = 8).
+
+    H100, GQA 32/8 (4 real rows), D 128, 128-token blocks in 4 warps and 3 stages against
+    the former tiling (8 rows, scales per value; probes of 2026-11-26 16:40-16:45 UTC,
+    bench/HISTORY.md): INT4 groups of 32 B64 ctx16384 0.503-0.506 against 0.603-0.610 ms,
+    B32 ctx16384 0.257 against 0.294, B8 ctx8192 0.047 against 0.050. Stacking 16 rows
+    ran as fast as per value (INT4 groups of 32 at 8 rows 0.599 against 0.603 ms, of 16
+    at 4 rows 0.597 against 0.604), 32 or more 1.8-5x slower (INT4 groups of 8 and 16,
+    INT8 groups of 8). 8-bit groups of 32 and 64 (16 and 8 stacked rows) ran within 3%
+    of the per-value tiling at B64 and B8, and at B32 ctx16384 from 7% faster (groups of
+    64) to 12% slower (INT8 groups of 32): they keep their scales per value."""
+    if code != "int4" or not group_size or not head_dim or not query_group:
+        return False
+    half, rows = head_dim // 2, max(4, 1 << (query_group - 1).bit_length())
+    groups = half // group_size
+    return half % group_size == 0 and groups >= 2 and groups * rows <= _STACKED_ROWS

@@ -68,6 +68,7 @@ from pallas_kernels.common import (
     whole_array_call,
 )
 from pallas_kernels.output import FP8, inverse_scale, output_value
+from pallas_kernels.paged_decode import stacked as stacked_rows
 from pallas_kernels.paged_decode.combine import combine_splits
 from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
@@ -109,6 +110,7 @@ def _paged_decode_kernel(
     interpret: bool,
     v_words: bool,
     biased_keys: bool,
+    stacked: bool,
 ):
     refs = list(refs)
     k_scale_ref = v_scale_ref = None
@@ -171,6 +173,9 @@ def _paged_decode_kernel(
         return s
 
     factored = fmt.factored(head_dim)
+    n_groups = stacked_rows.groups(fmt, head_dim) if stacked else 1
+    if stacked:  # each part's query rows once per group (`stacked`): `[n * rows, Pd]`
+        q = tuple(stacked_rows.stack_queries(qp, fmt.group_size, n_groups) for qp in q)
     # `biased_keys` (INT4 with a scale per half row): keys read as `n + INT4_BIAS`, no FMA a
     # value pair; the logits of part p are then q_p . (k_p + bias), and `bias * sum(q_p)`
     # comes off them before the part's scale. H100, B64 ctx16384 (probe of 2026-11-26
@@ -219,8 +224,9 @@ def _paged_decode_kernel(
         t, t_ok, stored_at = tokens(block)
         at = (entries[:, None], kvh, (stored_at % page_size)[:, None])
         read = functools.partial(
-            read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret
-        )
+            read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret,
+            unscaled=stacked,
+        )  # fmt: skip
         k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
         k_scale = v_scale = part_scales = None
         if factored:  # scales factored out of the tiles: they scale logits and probabilities
@@ -238,7 +244,10 @@ def _paged_decode_kernel(
             ]
             if biased_keys:
                 dots = [d - qb[:, None] for d, qb in zip(dots, q_bias, strict=True)]
-            s = scaled_sum(dots, part_scales)
+            if stacked:
+                s = sum(map(stacked_rows.fold_logits, dots, k_scales))
+            else:
+                s = scaled_sum(dots, part_scales)
         if k_scale is not None:
             s = s * k_scale[None, :]
         s = logits(s, t)
@@ -251,7 +260,10 @@ def _paged_decode_kernel(
         s = jnp.where(visible[None, :], s, MASK_VALUE)
         if v_words:  # four parts of strided channels
             load_v = functools.partial(read_v_words, v_ref, fmt, at, t_ok, head_dim, dtype,
-                                       v_scales, asm=not interpret)  # fmt: skip
+                                       v_scales, asm=not interpret, unscaled=stacked)  # fmt: skip
+            if stacked:
+                v_scales = stacked_rows.word_scales(fmt, v_scales)
+                return stacked_rows.update(state, s, load_v, v_scales, precision), next_loads
             v_scale = word_part_scales(v_scale)
         else:
             load_v = functools.partial(read, v_ref, kv=1, dtype=dtype, scales=v_scales)
@@ -273,7 +285,11 @@ def _paged_decode_kernel(
     v_parts = [(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts)]
     if v_words:  # V in parts of strided channels (cache_read.read_v_words), all channels
         v_parts = [(cols, jnp.full(cols.shape, True)) for cols in v_word_columns(fmt, head_dim)]
-    carry = softmax_init(rows, tuple(cols.shape[1] for cols, _ in v_parts))
+    widths = tuple(cols.shape[1] for cols, _ in v_parts)
+    if stacked:
+        carry = stacked_rows.init(rows, [(n_groups, w) for w in widths])
+    else:
+        carry = softmax_init(rows, widths)
     if has_new:
         # Split 0 stores the new token and attends to it first: the softmax state starts
         # from it, so nothing of it stays live through the loops (holding its logits and
@@ -292,6 +308,9 @@ def _paged_decode_kernel(
         sink_b = sink_b * (1 - jnp.minimum(split, 1))
         carry = run_blocks(0, sink_b, carry)
     carry = run_blocks(start, end, carry)
+    if stacked:  # each channel from its group's rows
+        acc, m, l = carry
+        carry = tuple(stacked_rows.unstack(a, n_groups) for a in acc), m, l
     out, lse = softmax_finish(carry)
     for part, (cols, cols_ok) in zip(out, v_parts, strict=True):
         store_ok = row_ok[:, None] & cols_ok
@@ -501,6 +520,7 @@ def paged_decode(
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pages, v_pages)]
         aliases = {3: 2, 4: 3}
     v_words = config.v_words and reads_v_words(fmt, head_dim)
+    stacked = config.stacked and v_words and rope is None and stacked_rows.stacks(fmt, head_dim)
     if v_words:  # V pool viewed as words of four codes: a bitcast on XLA:GPU, but XLA:CPU
         # (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
         inputs[4] = v_word_view(v_pages, fmt)
@@ -523,7 +543,8 @@ def paged_decode(
         num_splits=splits,
         interpret=interpret,
         v_words=v_words,
-        biased_keys=fmt.dtype == "int4" and fmt.part_scales(head_dim) and rope is None,
+        biased_keys=fmt.dtype == "int4" and (fmt.part_scales(head_dim) or stacked) and rope is None,
+        stacked=stacked,
     )
     out, lse, *pools = whole_array_call(
         kernel,
