@@ -241,17 +241,17 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
 
 @pytest.mark.parametrize("batch, context", [(64, 16384), (8, 8192)])
 def test_decode_heuristic_query_rows(batch, context):
-    """Query rows padded to 8 for INT4 with group scales and 8-bit groups of 8 or 16; to
-    16 otherwise (`few_rows`)."""
+    """Query rows padded to 8 for INT4 with group scales and 8-bit groups of 8, 16 or 64;
+    to 16 otherwise (`few_rows`)."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, batch, 8, context, 16, sm_count=132
     )
     eight = [dict(code="int4", group_size=g) for g in (8, 16, 32, 64)]
     eight += [dict(code="int4", row_scales=True)]
-    eight += [dict(code=c, group_size=g) for c in ("int8", "float8_e4m3fn") for g in (8, 16)]
+    eight += [dict(code=c, group_size=g) for c in ("int8", "float8_e4m3fn") for g in (8, 16, 64)]
     sixteen = [dict(), dict(code="int4"), dict(code="int8"), dict(code="float8_e4m3fn")]
     sixteen += [dict(code="int8", row_scales=True), dict(code="int8", group_size=32)]
-    sixteen += [dict(code="float8_e4m3fn", group_size=64)]
+    sixteen += [dict(code="float8_e4m3fn", group_size=32)]
     assert [heuristic(**x).query_rows for x in eight] == [8] * len(eight)
     assert [heuristic(**x).query_rows for x in sixteen] == [16] * len(sixteen)
 
@@ -268,9 +268,11 @@ def test_decode_heuristic_stacked_groups():
         config = heuristic(group_size=group_size, head_dim=head_dim, query_group=query_group)
         assert (config.stacked, config.query_rows) == (True, 4), (head_dim, group_size)
         assert (config.block_kv, config.num_warps, config.num_stages) == (128, 4, 3)
-    unstacked = [dict(group_size=16), dict(group_size=64), dict(query_group=8),
-                 dict(code="int8", group_size=64), dict(code="float8_e4m3fn", group_size=64),
-                 dict(pages=False), dict(v_words=False), dict(head_dim=0), dict(query_group=0)]  # fmt: skip
+    unstacked = [
+        dict(group_size=16), dict(group_size=64), dict(query_group=8),
+        dict(code="int8", group_size=64), dict(code="float8_e4m3fn", group_size=64),
+        dict(pages=False), dict(v_words=False), dict(head_dim=0), dict(query_group=0),
+    ]  # fmt: skip
     for change in unstacked:
         config = heuristic(**{**dict(group_size=32, head_dim=128, query_group=4), **change})
         assert not config.stacked, change

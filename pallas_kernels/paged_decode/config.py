@@ -17,7 +17,7 @@ _FOUR_STAGES = {("int8", 0), ("float8_e4m3fn", 0), ("int8", 16), ("float8_e4m3fn
 _SMALL_BLOCK_GROUP = 8
 _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one program per SM
 _FEW_ROWS = 8  # query rows of the formats `few_rows` names
-_FEW_ROWS_8BIT_GROUPS = (8, 16)  # the 8-bit group sizes among them
+_FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
 _STACKED_ROWS = 8  # at most this many stacked query rows (groups x rows) are stacked
 
 
@@ -216,7 +216,7 @@ class PagedDecodeConfig:
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     """Whether decode over this cache format pads its query rows to `_FEW_ROWS` (8) rather
     than 16 (`PagedDecodeConfig.query_rows`): INT4 with group scales (any group, or one a
-    row), and 8-bit codes in groups of 8 or 16. A thread's accumulators, logits and
+    row), and 8-bit codes in groups of 8, 16 or 64. A thread's accumulators, logits and
     softmax vectors scale with the rows, and these formats hold the most registers a
     thread besides (INT4 groups: 168 in the Nsight Compute profile of 12:00 UTC, three
     programs an SM).
@@ -229,10 +229,13 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     - 8-bit groups of 8 and 16 (B64 ctx16384, B32 ctx16384, B8 ctx8192): 0-16% faster (FP8
       groups of 16 at B8: 0.081 against 0.068 ms) but for INT8 groups of 16 at B32 (1%
       slower) and FP8 groups of 16 at B64 (0.907 against 0.931 ms).
+    - 8-bit groups of 64 (probes of 16:45 and 16:55 UTC): B8 ctx8192 INT8 0.066 against
+      0.071 ms, FP8 0.066 against 0.074; B32 ctx16384 INT8 0.514 against 0.534, FP8
+      0.511 against 0.508; B64 ctx16384 within 1% (INT8 0.877 against 0.868 ms).
     - Per tensor (INT4, INT8) ran within 3% either way, and INT8 with one scale a row at
       B64 5% slower (0.794 against 0.830 ms): they keep 16 rows, as do the formats not
-      probed (FP8 per tensor and one a row, 8-bit groups of 32 and 64 but INT8 groups of
-      32 at B64, within 1%).
+      probed (FP8 per tensor and one a row) and 8-bit groups of 32 (4 rows: B32 ctx16384
+      INT8 0.517 against 0.444 ms).
     4 rows ran 7-8% faster than 8 for INT4 groups of 8 at B64, but slower at B32 and for
     groups of 32 (up to 22%).
     Our pools only: over OpenPPL's caches (`jaxattn.ppl`: token rows, float16 scales) the
