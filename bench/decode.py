@@ -73,12 +73,14 @@ DEFAULT_SWEEP = (
 
 
 def _sweep(heuristic) -> Sweep:
-    """Decode config specs BLOCKxWARPSxSTAGESxSPLITS[rROWS]: "h" in the split position stands
-    for `heuristic.num_splits`, and without rROWS the query rows are the heuristic's."""
+    """Decode config specs BLOCKxWARPSxSTAGESxSPLITS[rROWS][s] (`config_label`): "h" in the
+    split position stands for `heuristic.num_splits`, without rROWS the query rows are the
+    heuristic's, and "s" asks for stacked rows (`PagedDecodeConfig.stacked`)."""
     from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
     def parse(spec: str) -> PagedDecodeConfig:
-        spec, _, rows = spec.partition("r")  # BLOCKxWARPSxSTAGESxSPLITS[rROWS]
+        stacked = spec.endswith("s")
+        spec, _, rows = spec.removesuffix("s").partition("r")
         block_kv, warps, stages, splits = spec.split("x")
         h = heuristic.num_splits
         if splits.startswith("h"):
@@ -86,7 +88,9 @@ def _sweep(heuristic) -> Sweep:
             splits = h * factor if splits[1:2] in ("*", "") else max(1, h // factor)
         splits = int(splits)
         rows = int(rows) if rows else heuristic.query_rows
-        return PagedDecodeConfig(int(block_kv), splits, int(warps), int(stages), query_rows=rows)
+        return PagedDecodeConfig(
+            int(block_kv), splits, int(warps), int(stages), query_rows=rows, stacked=stacked
+        )
 
     return Sweep(parse=parse, label=config_label, default=DEFAULT_SWEEP)
 

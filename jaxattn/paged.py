@@ -520,12 +520,13 @@ def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, i
                    query_group=0):  # fmt: skip
     """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
     or the heuristic for the plan's rows (its tokens when decode-only); `query_group`:
-    query heads a kv head serves (0: not known)."""
+    query heads a kv head serves (0: not known). With rope on read the kernel applies
+    group scales per value (no stacked rows): the heuristic is not told the group."""
     decode_config = config.decode or default_decode_config(
         cache,
         meta.max_tokens if meta.decode_only else meta.max_seqs,
         meta.max_pages * cache.page_size,
-        query_group,
+        query_group if rope is None else 0,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined

@@ -251,8 +251,9 @@ def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scal
       head_dim: D; each part spans D / parts channels, padded to a power of two of at
         least 16 (Pd, `dot_width`: a dot's contraction needs 16).
       scales: finer groups: what `load_scales` gave for these tokens.
-      biased: INT4 with factored scales: the values plus `codes.INT4_BIAS` (the caller
-        takes `INT4_BIAS * sum(q)` off the logits; the decode kernel's `biased_keys`).
+      biased: INT4 with factored scales, or `unscaled`: the values plus `codes.INT4_BIAS`
+        (the caller takes `INT4_BIAS * sum(q)` off the logits; the decode kernel's
+        `biased_keys`).
       unscaled: the codes' values whatever the scales (the caller applies them: the
         decode kernel's stacked rows, `paged_decode.stacked`).
     """
@@ -410,7 +411,8 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     `[block, D / 4]` of `dtype`, holding the channels `v_word_columns` says, dequantized
     except for factored scales (`word_part_scales`). `at`, `t_ok`, `head_dim`, `dtype`: as
     `read_kv`; `scales`: what `load_scales` gave for V (finer groups: a tuple of
-    `[block, groups]`, one per half row for INT4).
+    `[block, groups]`, one per half row for INT4); `unscaled`: the codes' values whatever
+    the scales, as `read_kv`'s.
 
     Why: the PV dot takes V as its B operand, which wants two consecutive tokens of one
     channel in a register. Read as codes `[block, D]`, Triton gathers those with a

@@ -21,6 +21,7 @@ from oracle import attention_oracle
 import jaxattn
 from jaxattn.decode import cache_format
 from pallas_kernels.cache_read import reads_v_words
+from pallas_kernels.paged_decode.stacked import stacks
 
 impls = pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
 
@@ -411,9 +412,9 @@ def test_quantized_decode_v_words(quant):
     parts of 16 strided channels each, the group scales spread over them or, with stacked
     rows, applied to logits and probabilities: INT4 groups of 16 are two a half row, as
     groups of 32 at D 128; INT4 groups of 32 are one a half row, factored), with and
-    without splits (on a GPU also as codes; on
-    CPU the codes path runs in the default head dim's cases, 32, where words do not
-    apply). The words path runs when asked: the kernel then takes the V pool as words."""
+    without splits (on a GPU also as codes; on CPU the codes path runs in the default head
+    dim's cases, 32, where words do not apply). The words path runs when asked: the
+    kernel then takes the V pool as words."""
     scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
     cache = jaxattn.PagedKVCache.create(4, 8, 2, 64, quant=quant, **scales)
     q = jnp.zeros((1, NUM_Q_HEADS, 64), jnp.float32)
@@ -425,6 +426,17 @@ def test_quantized_decode_v_words(quant):
         word = "int16" if quant.dtype == "int4" else "int32"
         assert (f"bitcast_convert_type[new_dtype={word}" in text) == v_words
     _quantized_decode_vs_oracle(quant, "float32", "pallas", 64)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "quant", [jaxattn.KVQuant("int4", "group", 16), jaxattn.KVQuant("int8", "group", 8)], ids=str
+)
+def test_stacked_rows_low_precision_soft_cap(quant, dtype):
+    """Stacked rows (head dim 64: INT4 groups of 16 are two a half row) with bf16 queries
+    (INT4 keys read biased) and float16 ones, and soft-capped logits."""
+    assert stacks(cache_format(jaxattn.PagedKVCache.create(4, 8, 2, 64, quant=quant)), 64)
+    _quantized_decode_vs_oracle(quant, dtype, "pallas", 64, soft_cap=30.0)
 
 
 @pytest.mark.skipif(not util.ON_GPU, reason="128-token blocks at D 128: slow in interpret mode")
@@ -468,11 +480,12 @@ def test_v_words_view_is_no_copy(quant):
     assert compiled.memory_analysis().temp_size_in_bytes < cache.v_pages.nbytes // 4
 
 
-def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False):
-    """`heuristic`: one run, the tiling `paged_decode` picks (else fixed tilings below)."""
-    rng = util.rng_for("quant-decode", str(quant), dtype, d)
-    page, max_pages, hkv, num_pages = 8, 10, 2, 64
-    lengths = np.array([1, 8, 9, 48, 30, 80])
+def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap=None):
+    """`heuristic`: one run, the tiling `paged_decode` picks (else fixed tilings below).
+    A row of no tokens gives zeros."""
+    rng = util.rng_for("quant-decode", str(quant), dtype, d, soft_cap)
+    page, max_pages, hkv, num_pages = 8, 10, 2, 80
+    lengths = np.array([1, 8, 9, 48, 30, 0, 80])
     batch = len(lengths)
     tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
     scales = dict(k_scale=0.03, v_scale=0.025) if quant.granularity == "tensor" else {}
@@ -488,7 +501,8 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False):
     # The oracle's K/V: the dequantized history, rounded to q's dtype as the kernel does.
     k_hist, v_hist = jaxattn.gather_kv(cache, tables, lens, max_pages * page)
     k_hist, v_hist = (util.f64(x.astype(dtype)) for x in (k_hist, v_hist))
-    options = dict(window=40, sink_tokens=18, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS))
+    options = dict(window=40, sink_tokens=18, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS),
+                   soft_cap=soft_cap)  # fmt: skip
     oracle = functools.partial(
         attention_oracle, util.f64(q)[:, None], k_hist, v_hist, causal=True,
         q_lengths=np.ones(batch, int), kv_lengths=lengths,
@@ -498,11 +512,11 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False):
     lowp = None if dtype == "float32" else oracle(lowp=jnp.dtype(dtype))[0][:, 0]
     # On a GPU the codes path runs again where words apply (on CPU it runs in the cases at
     # the default head dim, 32, where they do not); xla: one run.
-    words = reads_v_words(cache_format(cache), d)
-    # (splits, V read as words where the format allows, query rows, stacked rows where the
-    # format allows: `paged_decode.stacked`)
-    runs = [(1, True, 16, False), (2, True, 8, False), (2, True, 4, True)]
-    runs += [(2, False, 4, False)] * (words and util.ON_GPU)
+    fmt = cache_format(cache)
+    # (splits, V read as words where the format allows, query rows, stacked rows: where
+    # the format allows, `paged_decode.stacked`)
+    runs = [(1, True, 16, False), (2, True, 8, False)] + [(2, True, 4, True)] * stacks(fmt, d)
+    runs += [(2, False, 4, False)] * (reads_v_words(fmt, d) and util.ON_GPU)
     configs = [
         jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r, stacked=st)
         for n, w, r, st in runs

@@ -524,6 +524,23 @@ def test_quantized_cache(quant, dtype, impl):
     run_two_calls(MIXED, Opts("quant", hkv=2), impl, dtype, quant=quant)
 
 
+def test_decode_tiling_is_told_the_query_group(monkeypatch):
+    """The decode kernel's heuristic is told the query heads a kv head serves (it decides
+    stacked rows, `PagedDecodeConfig.stacked`)."""
+    import jaxattn.paged as paged
+
+    seen = []
+    real = paged.default_decode_config
+
+    def spy(cache, batch, max_context, query_group=0):
+        seen.append(query_group)
+        return real(cache, batch, max_context, query_group)
+
+    monkeypatch.setattr(paged, "default_decode_config", spy)
+    run_two_calls((Row(3, 1), Row(0, 2)), Opts("gqa", hkv=2), "pallas", "float32")
+    assert seen and set(seen) == {HQ // 2}
+
+
 @dtypes
 def test_quantized_decode_only_rotates_q_on_load(dtype):
     """INT4 splits channels in two parts, and a neox partner lies in the other half: the

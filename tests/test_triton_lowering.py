@@ -226,7 +226,7 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
 @pytest.mark.parametrize(
     "quant",
     [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("float8_e4m3fn"),
-     jaxattn.KVQuant("int4", "group", 16)],
+     jaxattn.KVQuant("int4", "group", 16), jaxattn.KVQuant("int4", "group", 32)],
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16", "float32"])

@@ -18,7 +18,7 @@ _SMALL_BLOCK_GROUP = 8
 _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one program per SM
 _FEW_ROWS = 8  # query rows of the formats `few_rows` names
 _FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
-_STACKED_ROWS = 8  # at most this many stacked query rows (groups x rows) are stacked
+_STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +252,9 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     """Whether decode over this cache applies its group scales through stacked query rows
     (`PagedDecodeConfig.stacked`, `paged_decode.stacked`), 4 rows: INT4 whose half row
     holds two groups (groups of 32 at D 128), for kv groups of at most 4 query heads
-    (stacked rows: two groups x 4 = 8).
+    (stacked rows: two groups x 4 = 8), with V read as words (D / 4 a power of two of at
+    least 16). Measured at D 128 only: D 64 in groups of 16 and D 256 in groups of 64 take
+    it by the same count of stacked rows.
 
     H100, GQA 32/8 (4 real rows), D 128, 128-token blocks in 4 warps and 3 stages against
     the former tiling (8 rows, scales per value; probes of 2026-11-26 16:40-16:45 UTC,
@@ -263,7 +265,8 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     INT8 groups of 8). 8-bit groups of 32 and 64 (16 and 8 stacked rows) ran within 3%
     of the per-value tiling at B64 and B8, and at B32 ctx16384 from 7% faster (groups of
     64) to 12% slower (INT8 groups of 32): they keep their scales per value."""
-    if code != "int4" or not group_size or not head_dim or not query_group:
+    words = head_dim // 4
+    if code != "int4" or not group_size or not query_group or words < 16 or words & (words - 1):
         return False
     half, rows = head_dim // 2, max(4, 1 << (query_group - 1).bit_length())
     groups = half // group_size

@@ -176,12 +176,14 @@ def _paged_decode_kernel(
     n_groups = stacked_rows.groups(fmt, head_dim) if stacked else 1
     if stacked:  # each part's query rows once per group (`stacked`): `[n * rows, Pd]`
         q = tuple(stacked_rows.stack_queries(qp, fmt.group_size, n_groups) for qp in q)
-    # `biased_keys` (INT4 with a scale per half row): keys read as `n + INT4_BIAS`, no FMA a
-    # value pair; the logits of part p are then q_p . (k_p + bias), and `bias * sum(q_p)`
-    # comes off them before the part's scale. H100, B64 ctx16384 (probe of 2026-11-26
-    # 13:22 UTC, bench/HISTORY.md): 0.601 against 0.649 ms, B8 ctx8192 0.054 against 0.060;
-    # per tensor and one scale a row ran 1-7% slower so (0.437 / 0.528 against 0.431 /
-    # 0.492 ms), and keep the FMA.
+    # `biased_keys` (INT4 with a scale per half row, or stacked rows; bf16 queries): keys
+    # read as `n + INT4_BIAS`, no FMA a value pair; the logits of (stacked) query row r of
+    # part p are then q_r . (k_p + bias), and `bias * sum(q_r)` comes off them before their
+    # scale. H100, B64 ctx16384 (probe of 2026-11-26 13:22 UTC, bench/HISTORY.md): 0.601
+    # against 0.649 ms, B8 ctx8192 0.054 against 0.060; per tensor and one scale a row ran
+    # 1-7% slower so (0.437 / 0.528 against 0.431 / 0.492 ms), and keep the FMA. Only the
+    # PTX conversion saves the FMA; float16 / float32 queries, whose casts cost the same
+    # either way, keep the exact values (the subtraction loses float32 digits).
     q_bias = None
     if biased_keys:
         q_bias = [INT4_BIAS * jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q]
@@ -245,7 +247,7 @@ def _paged_decode_kernel(
             if biased_keys:
                 dots = [d - qb[:, None] for d, qb in zip(dots, q_bias, strict=True)]
             if stacked:
-                s = sum(map(stacked_rows.fold_logits, dots, k_scales))
+                s = sum(stacked_rows.fold_logits(d, x) for d, x in zip(dots, k_scales, strict=True))
             else:
                 s = scaled_sum(dots, part_scales)
         if k_scale is not None:
@@ -521,6 +523,8 @@ def paged_decode(
         aliases = {3: 2, 4: 3}
     v_words = config.v_words and reads_v_words(fmt, head_dim)
     stacked = config.stacked and v_words and rope is None and stacked_rows.stacks(fmt, head_dim)
+    int4_factored = fmt.dtype == "int4" and (fmt.part_scales(head_dim) or stacked)
+    biased_keys = int4_factored and rope is None and q.dtype == jnp.bfloat16
     if v_words:  # V pool viewed as words of four codes: a bitcast on XLA:GPU, but XLA:CPU
         # (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
         inputs[4] = v_word_view(v_pages, fmt)
@@ -543,7 +547,7 @@ def paged_decode(
         num_splits=splits,
         interpret=interpret,
         v_words=v_words,
-        biased_keys=fmt.dtype == "int4" and (fmt.part_scales(head_dim) or stacked) and rope is None,
+        biased_keys=biased_keys,
         stacked=stacked,
     )
     out, lse, *pools = whole_array_call(

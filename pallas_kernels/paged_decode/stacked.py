@@ -57,7 +57,8 @@ def word_scales(fmt: CacheFormat, v_scales) -> tuple:
     if fmt.dtype == "int4":
         low, high = v_scales
         return (low, low, high, high)
-    return v_scales * 4
+    (scales,) = v_scales
+    return (scales,) * 4
 
 
 def tile_rows(x, n: int):
