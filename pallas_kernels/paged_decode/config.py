@@ -253,8 +253,9 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     (`PagedDecodeConfig.stacked`, `paged_decode.stacked`), 4 rows: INT4 whose half row
     holds two groups (groups of 32 at D 128), for kv groups of at most 4 query heads
     (stacked rows: two groups x 4 = 8), with V read as words (D / 4 a power of two of at
-    least 16). Measured at D 128 only: D 64 in groups of 16 and D 256 in groups of 64 take
-    it by the same count of stacked rows.
+    least 16). Measured at D 128 and kv groups of 4 only: D 64 in groups of 16, D 256 in
+    groups of 64 and kv groups of 1-3 query heads take it by the same count of stacked
+    rows.
 
     H100, GQA 32/8 (4 real rows), D 128, 128-token blocks in 4 warps and 3 stages against
     the former tiling (8 rows, scales per value; probes of 2026-11-26 16:40-16:45 UTC,
