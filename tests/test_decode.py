@@ -259,7 +259,8 @@ def test_decode_heuristic_query_rows(batch, context):
 
 def test_decode_heuristic_stacked_groups():
     """Group scales go through stacked rows (4 of them) for INT4 with two groups a half row
-    and kv groups of at most 4 query heads, over our pages (`stacked_groups`); not for
+    and kv groups of at most 4 query heads, over our pages (`stacked_groups`; at D 64 with
+    at least one program per SM); not for
     finer or coarser INT4 groups, larger kv groups, 8-bit groups, OpenPPL's layouts, V
     not read as words, or a head dim or kv group not given."""
     heuristic = functools.partial(
@@ -269,6 +270,11 @@ def test_decode_heuristic_stacked_groups():
         config = heuristic(group_size=group_size, head_dim=head_dim, query_group=query_group)
         assert (config.stacked, config.query_rows) == (True, 4), (head_dim, group_size)
         assert (config.block_kv, config.num_warps, config.num_stages) == (128, 4, 3)
+    # fewer programs than SMs (B8, 8 kv heads): D 128 and 256 stack, D 64 does not
+    few = functools.partial(jaxattn.PagedDecodeConfig.heuristic, 8, 8, 8192, 16, sm_count=132,
+                            code="int4", query_group=4)  # fmt: skip
+    assert few(group_size=32, head_dim=128).stacked and few(group_size=64, head_dim=256).stacked
+    assert not few(group_size=16, head_dim=64).stacked
     unstacked = [
         dict(group_size=16), dict(group_size=64), dict(query_group=8),
         dict(code="int8", group_size=64), dict(code="float8_e4m3fn", group_size=64),

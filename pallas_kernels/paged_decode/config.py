@@ -19,6 +19,7 @@ _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one prog
 _FEW_ROWS = 8  # query rows of the formats `few_rows` names
 _FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
 _STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic takes
+_SHORT_STACKED_DIM = 64  # up to this head dim, < one program an SM keeps per-value scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,8 @@ class PagedDecodeConfig:
             return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
         rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
-        if pages and v_words and stacked_groups(code, group_size, head_dim, query_group):
+        stack = stacked_groups(code, group_size, head_dim, query_group)
+        if stack and (head_dim > _SHORT_STACKED_DIM or programs >= sm_count) and pages and v_words:
             return cls(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
         if programs >= sm_count and words:
             if group_size == _SMALL_BLOCK_GROUP:
@@ -253,9 +255,9 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     (`PagedDecodeConfig.stacked`, `paged_decode.stacked`), 4 rows: INT4 whose half row
     holds two groups (groups of 32 at D 128), for kv groups of at most 4 query heads
     (stacked rows: two groups x 4 = 8), with V read as words (D / 4 a power of two of at
-    least 16). Measured at D 128 and kv groups of 4 only: D 64 in groups of 16, D 256 in
-    groups of 64 and kv groups of 1-3 query heads take it by the same count of stacked
-    rows.
+    least 16); the heuristic takes it at D 64 only with at least one program per SM.
+    Measured with kv groups of 4: kv groups of 1-3 query heads take it by the same count
+    of stacked rows.
 
     H100, GQA 32/8 (4 real rows), D 128, 128-token blocks in 4 warps and 3 stages against
     the former tiling (8 rows, scales per value; probes of 2026-11-26 16:40-16:45 UTC,
@@ -265,7 +267,11 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     at 4 rows 0.597 against 0.604), 32 or more 1.8-5x slower (INT4 groups of 8 and 16,
     INT8 groups of 8). 8-bit groups of 32 and 64 (16 and 8 stacked rows) ran within 3%
     of the per-value tiling at B64 and B8, and at B32 ctx16384 from 7% faster (groups of
-    64) to 12% slower (INT8 groups of 32): they keep their scales per value."""
+    64) to 12% slower (INT8 groups of 32): they keep their scales per value.
+    Other head dims (probe of 18:07 UTC), stacked against 8 and 4 rows per value: D 256
+    in groups of 64 B64 ctx16384 0.995 against 1.166 / 1.110 ms, B8 ctx8192 0.076 against
+    0.084 / 0.079; D 64 in groups of 16 B64 0.407 against 0.462 / 0.451, but B8 0.042
+    against 0.040 / 0.037."""
     words = head_dim // 4
     if code != "int4" or not group_size or not query_group or words < 16 or words & (words - 1):
         return False
