@@ -20,7 +20,8 @@ def test_stacked_logits_equal_per_value_scales(rows, width, group_size):
     codes = rng.integers(-8, 8, (block, width)).astype(np.float64)
     scales = rng.uniform(0.01, 2.0, (block, n))
     want = q @ (codes * np.repeat(scales, group_size, axis=1)).T
-    partial = stacked.stack_queries(jnp.asarray(q, jnp.float32), group_size, n) @ codes.T
+    stacked_q = stacked.stack_queries(jnp.asarray(q, jnp.float32), group_size, n)
+    partial = np.asarray(stacked_q, np.float64) @ codes.T  # the dot in numpy (no TF32)
     got = stacked.fold_logits(jnp.asarray(partial, jnp.float32), jnp.asarray(scales))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
@@ -35,7 +36,8 @@ def test_stacked_output_equals_per_value_scales(rows, width, n):
     scales = rng.uniform(0.01, 2.0, (block, n))
     want = p @ (codes * np.repeat(scales, width // n, axis=1))
     probs = stacked.stack_probs(jnp.asarray(p, jnp.float32), jnp.asarray(scales, jnp.float32))
-    got = stacked.unstack(probs @ jnp.asarray(codes, jnp.float32), n)
+    partial = np.asarray(probs, np.float64) @ codes  # the dot in numpy (no TF32)
+    got = stacked.unstack(jnp.asarray(partial, jnp.float32), n)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
