@@ -17,6 +17,9 @@ busy programs finish together, and a short row's surplus programs exit at once.
 Quantized caches may have V read as words of four codes (`config.v_words`,
 `cache_read.read_v_words`; 32-bit words of INT8 / FP8, 16-bit half-words of INT4): the PV
 dot then runs in four parts of strided channels, and the output is stored part by part.
+Their group scales may be applied through stacked query rows (`config.stacked`,
+`stacked.py`: a row block per group, the scales on logits and probabilities) rather than
+per cached value.
 
 FP8 output (`out_dtype=float8_e4m3fn`): the normalised float32 result is quantized in the
 store (`combine.quantize_output`): by this kernel's epilogue without splits, by the
