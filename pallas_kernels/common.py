@@ -94,6 +94,16 @@ def softmax_init(rows: int, padded_dim):
     )
 
 
+def softmax_step(m, l, s):
+    """One key block's base-2 logits s `[rows, block]` (masked keys at MASK_VALUE) into the
+    running maximum m and sum l `[rows]`: (m_new, alpha, p, l_new), alpha `[rows]` the
+    factor of the old state, p `[rows, block]` the block's probabilities."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l * alpha + jnp.sum(p, axis=1)
+
+
 def softmax_update(carry, s, load_v, precision=None, v_scale=None):
     """Folds one key block into the state. s: `[rows, block]` base-2 logits (masked keys at
     MASK_VALUE); `load_v()` returns V `[block, Dp]` (or its parts), loaded after the
@@ -101,10 +111,7 @@ def softmax_update(carry, s, load_v, precision=None, v_scale=None):
     (a quantized cache's row scales), folded into the probabilities instead; or a tuple
     of them, one per part of V."""
     acc, m, l = carry
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
+    m_new, alpha, p, l = softmax_step(m, l, s)
 
     def fold(a, v, scale):
         p_v = p if scale is None else p * scale[None, :]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.cache_read import CacheFormat, reads_v_words, scales_per_element
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import softmax_init, softmax_step
 
 
 def stacks(fmt: CacheFormat, head_dim: int) -> bool:
@@ -96,8 +96,8 @@ def stack_probs(p, scales):
 def init(rows: int, shapes):
     """The softmax state (`common.softmax_init`) with stacked accumulators: `shapes` gives
     each part's (n, W), its accumulator `[n * rows, W]`."""
-    acc = tuple(jnp.zeros((n * rows, w), jnp.float32) for n, w in shapes)
-    return acc, jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    _, m, l = softmax_init(rows, ())
+    return tuple(jnp.zeros((n * rows, w), jnp.float32) for n, w in shapes), m, l
 
 
 def update(carry, s, load_v, v_scales, precision=None):
@@ -106,10 +106,7 @@ def update(carry, s, load_v, v_scales, precision=None):
     `[block, n]` per part (parts may share one array: its stacked probabilities are
     built once)."""
     acc, m, l = carry
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
+    m_new, alpha, p, l = softmax_step(m, l, s)
     v = load_v()
     probs = {}
     out = []
