@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -72,26 +73,36 @@ DEFAULT_SWEEP = (
 )  # fmt: skip
 
 
-def _sweep(heuristic) -> Sweep:
-    """Decode config specs BLOCKxWARPSxSTAGESxSPLITS[rROWS][s] (`config_label`): "h" in the
-    split position stands for `heuristic.num_splits`, without rROWS the query rows are the
-    heuristic's, and "s" asks for stacked rows (`PagedDecodeConfig.stacked`)."""
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+|h(?:[*/]\d+)?))?(?:r(\d+))?(c)?(s)?")
+
+
+def parse_config(spec: str, heuristic):
+    """A decode config from BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s] (`config_label`).
+    SPLITS: a count, or "h" (`heuristic.num_splits`), "h*N", "h/N"; left out, the
+    heuristic's. rROWS pads the query rows to ROWS (`PagedDecodeConfig.query_rows`; the
+    heuristic's otherwise); "c" reads V as codes rather than words (`v_words`); "s" applies
+    group scales through stacked rows (`stacked`)."""
     from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
-    def parse(spec: str) -> PagedDecodeConfig:
-        stacked = spec.endswith("s")
-        spec, _, rows = spec.removesuffix("s").partition("r")
-        block_kv, warps, stages, splits = spec.split("x")
-        h = heuristic.num_splits
-        if splits.startswith("h"):
-            factor = int(splits[2:]) if len(splits) > 1 else 1
-            splits = h * factor if splits[1:2] in ("*", "") else max(1, h // factor)
-        splits = int(splits)
-        rows = int(rows) if rows else heuristic.query_rows
-        return PagedDecodeConfig(
-            int(block_kv), splits, int(warps), int(stages), query_rows=rows, stacked=stacked
-        )
+    match = _SPEC.fullmatch(spec)
+    if not match:
+        raise ValueError(f"{spec!r} is not BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s]")
+    block_kv, warps, stages, splits, rows, codes, stacked = match.groups()
+    h = heuristic.num_splits
+    if splits is None or splits == "h":
+        splits = h
+    elif splits.startswith("h"):
+        factor = int(splits[2:])
+        splits = h * factor if splits[1] == "*" else max(1, h // factor)
+    return PagedDecodeConfig(
+        int(block_kv), int(splits), int(warps), int(stages), v_words=not codes,
+        query_rows=int(rows) if rows else heuristic.query_rows, stacked=bool(stacked),
+    )  # fmt: skip
 
+
+def _sweep(heuristic) -> Sweep:
+    """Decode config specs (`parse_config`) against `heuristic`."""
+    parse = functools.partial(parse_config, heuristic=heuristic)
     return Sweep(parse=parse, label=config_label, default=DEFAULT_SWEEP)
 
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 import jax.numpy as jnp
 
 import jaxattn
 from bench.common import interleave, op_measure
-from bench.decode import DecodeRow, config_label, ours
+from bench.decode import DecodeRow, config_label, ours, parse_config
 from bench.decode_quant import HEADS, QuantInputs
 from jaxattn.decode import default_decode_config
 
@@ -39,22 +38,6 @@ def _quant(spec: str):
     if not group:
         return jaxattn.KVQuant(dtype)
     return jaxattn.KVQuant(dtype, "group", None if group == "D" else int(group))
-
-
-_TILING = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+))?(?:r(\d+))?(c)?(s)?")
-
-
-def _tiling(spec: str, chosen):
-    """BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s] -> a config (module doc)."""
-    match = _TILING.fullmatch(spec)
-    if not match:
-        raise ValueError(f"--tilings: {spec!r} is not BLOCKxWARPSxSTAGES[xSPLITS][rROWS][c][s]")
-    block_kv, warps, stages, splits, rows, codes, stacked = match.groups()
-    return jaxattn.PagedDecodeConfig(
-        int(block_kv), int(splits) if splits else chosen.num_splits, int(warps), int(stages),
-        v_words=not codes, query_rows=int(rows) if rows else chosen.query_rows,
-        stacked=bool(stacked),
-    )  # fmt: skip
 
 
 def main() -> None:
@@ -77,7 +60,7 @@ def _probe(args, log) -> None:
             chosen = default_decode_config(cache, batch, context, HEADS[0] // HEADS[1])
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
-                configs[tiling] = _tiling(tiling, chosen)
+                configs[tiling] = parse_config(tiling, chosen)
             fns = {name: ours(c) for name, c in configs.items()}
             want = fns["heuristic"](*arg_sets[0]).astype(jnp.float32)
             measures = [op_measure(fn, arg_sets, warmup=3) for fn in fns.values()]
