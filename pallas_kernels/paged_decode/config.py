@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.cache_read import PAGES, CacheFormat, reads_v_words
-from pallas_kernels.common import device_sm_count
+from pallas_kernels.common import device_sm_count, next_power_of_2
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
 _RESIDENT_PER_SM = 4  # 64x4x3 programs an SM holds at once (128 registers per thread)
@@ -264,17 +264,18 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     bench/HISTORY.md): INT4 groups of 32 B64 ctx16384 0.503-0.506 against 0.603-0.610 ms,
     B32 ctx16384 0.257 against 0.294, B8 ctx8192 0.047 against 0.050. Stacking 16 rows
     ran as fast as per value (INT4 groups of 32 at 8 rows 0.599 against 0.603 ms, of 16
-    at 4 rows 0.597 against 0.604), 32 or more 1.8-5x slower (INT4 groups of 8 and 16,
-    INT8 groups of 8). 8-bit groups of 32 and 64 (16 and 8 stacked rows) ran within 3%
+    at 4 rows 0.597 against 0.604), 32 or more 1.4-5x slower (INT4 groups of 8 and 16,
+    INT8 groups of 8). 8-bit groups of 32 and 64 (16 and 8 stacked rows) ran within 4%
     of the per-value tiling at B64 and B8, and at B32 ctx16384 from 7% faster (groups of
     64) to 12% slower (INT8 groups of 32): they keep their scales per value.
     Other head dims (probe of 18:07 UTC), stacked against 8 and 4 rows per value: D 256
     in groups of 64 B64 ctx16384 0.995 against 1.166 / 1.110 ms, B8 ctx8192 0.076 against
     0.084 / 0.079; D 64 in groups of 16 B64 0.407 against 0.462 / 0.451, but B8 0.042
     against 0.040 / 0.037."""
-    words = head_dim // 4
-    if code != "int4" or not group_size or not query_group or words < 16 or words & (words - 1):
+    if code != "int4" or not group_size or not query_group:
         return False
-    half, rows = head_dim // 2, max(4, 1 << (query_group - 1).bit_length())
+    if not reads_v_words(CacheFormat(code, "group", group_size), head_dim):
+        return False
+    half, rows = head_dim // 2, max(4, next_power_of_2(query_group))
     groups = half // group_size
     return half % group_size == 0 and groups >= 2 and groups * rows <= _STACKED_ROWS
