@@ -116,8 +116,8 @@ def test_ring_blocks_select_like_attention():
 
 def test_long_full_attention_takes_192_key_steps():
     """Full attention (no causal mask, window or packing) over LONG_FULL_KEYS keys or more
-    up to D128 takes 192-key steps, a block per tile; every other call the default tiling."""
-    long_full = MosaicForwardConfig(64, 192, 2)
+    up to D128 takes persistent 192-key steps; every other call the default tiling."""
+    long_full = MosaicForwardConfig(64, 192, 2, persistent=True)
     default = MosaicForwardConfig.heuristic(128)
     assert default.block_kv == 128 and default.persistent
     for d in (64, 128):
@@ -172,7 +172,11 @@ def test_config_validation():
     ).fits(128)
     assert not MosaicForwardConfig.heuristic(256).persistent
     assert MosaicForwardConfig.heuristic(256).fits(256)
-    assert not MosaicForwardConfig(64, 192, 2, persistent=True).fits(128)  # O tiles: no room
+    # Persistent 192-key steps fit by sending O through Q's buffer (no O tiles of their own).
+    wide = MosaicForwardConfig(64, 192, 2, persistent=True)
+    assert wide.fits(128) and not wide.out_tiles(128) and wide.out_tiles(64)
+    assert wide.smem_bytes(128) == MosaicForwardConfig(64, 192, 2).smem_bytes(128)
+    assert MosaicForwardConfig.heuristic(128).out_tiles(128)
     huge = MosaicForwardConfig(block_kv=128, num_stages=4)
     assert "shared memory" in forward_unsupported(
         (1, 1024, 8, 256), (1, 1024, 8, 256), jnp.bfloat16, packed=False,
@@ -473,6 +477,11 @@ PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap, (block_kv, stages)): >
     (1, 4096, 4160, 9, 3, 128, None, (128, 2)),  # 2 or 3 tiles a block; last block 64 keys
     (1, 2560, 2624, 8, 2, 64, None, (128, 3)),  # 21 steps a tile: slots of 3 across tiles
     (2, 2048, 2048, 8, 4, 64, None, (64, 4)),
+    # 192-key steps: O through Q's buffer at D128 (its own tiles at D64); short last steps
+    (1, 2560, 2624, 8, 2, 128, None, (192, 2)),  # 13 blocks of 192 + 128
+    (1, 2560, 2560, 8, 2, 128, 30.0, (192, 2)),  # 13 blocks of 192 + 64
+    (1, 2560, 2304, 8, 2, 128, None, (192, 2)),  # 12 blocks of 192, no short step
+    (2, 1024, 2560, 16, 4, 64, None, (192, 2)),
 ]
 
 
@@ -500,12 +509,13 @@ def test_persistent_matches_per_tile(case):
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_full_attention_matches_oracle(d):
     """The tiling the heuristic gives long full attention (192-key steps), chosen by
-    `jaxattn.attention`, with a last key block a third full (Tk = 43 blocks of 192 + 64)."""
+    `jaxattn.attention`, with a last key block a third full (Tk = 11 blocks of 192 + 64:
+    the short last step)."""
     rng = util.rng_for("mosaic long full", d)
     q = util.randn(rng, (1, 256, 4, d), "bfloat16")
     k, v = (util.randn(rng, (1, LONG_FULL_KEYS + 128, 2, d), "bfloat16") for _ in range(2))
     picked = forward_backend(_static(causal=False), None, q, k, (None,) * 4)
-    assert picked == ("mosaic", MosaicForwardConfig(64, 192, 2))
+    assert picked == ("mosaic", MosaicForwardConfig(64, 192, 2, persistent=True))
     out = jax.jit(functools.partial(jaxattn.attention, scale=0.1, implementation="pallas"))(q, k, v)
     args = [util.f64(x) for x in (q, k, v)]
     want, _ = attention_oracle(*args, scale=0.1)

@@ -9,7 +9,7 @@ _SMEM_BYTES = 227 * 1024  # shared memory a block may hold on sm90
 CONSUMERS = 2  # compute warpgroups per block (plus one producer)
 KEY_ROWS = 64  # the forward's Tk is a multiple of this (not necessarily of block_kv)
 # Full attention over at least this many keys takes 192-key steps up to D128 (`heuristic`).
-LONG_FULL_KEYS = 8192
+LONG_FULL_KEYS = 2048
 # The backward's head dims above this split the dK/dV block's columns between its two
 # consumers, which then hold the same 64 keys (`backward.py`).
 SPLIT_HEAD_DIM = 128
@@ -41,10 +41,13 @@ class MosaicForwardConfig:
       persistent: calls whose tiles are all alike (no causal mask, window, lengths or
         packing) run one block per SM, each walking its share of the tiles: the producer
         loads the next tile's keys and values under this tile's last steps, and each
-        consumer its next Q, and O leaves through a buffer of its own (one more Q-sized
-        tile of shared memory, counted by `smem_bytes` whatever the call). Other calls,
-        and grids of at most one wave, launch a block per tile, which the GPU hands out
-        as SMs free up (causal tiles differ).
+        consumer its next Q. O leaves through a Q-sized tile more of shared memory where
+        that fits (`out_tiles`: 128-key steps up to D128, 192-key steps at D64); else
+        (192-key steps at D128) through the rows of the last key block's K and V slots
+        past Tk, which its short step does not read (Tk not a multiple of 192), or
+        failing those through Q's buffer, the next Q loading once that copy has read it.
+        Other calls, and grids of at most one wave, launch a block per tile, which the
+        GPU hands out as SMs free up (causal tiles differ).
     """
 
     block_q: int = 64
@@ -66,9 +69,17 @@ class MosaicForwardConfig:
         return CONSUMERS * self.block_q
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of a block: the two Q/O tiles (and persistent, the two O tiles),
-        the K and V ring, the lse rows."""
-        q = (2 if self.persistent else 1) * self.rows * head_dim * itemsize
+        """Shared memory of a block: the two Q/O tiles (and with `out_tiles`, the two O
+        tiles), the K and V ring, the lse rows."""
+        return self._smem_bytes(head_dim, itemsize, self.out_tiles(head_dim, itemsize))
+
+    def out_tiles(self, head_dim: int, itemsize: int = 2) -> bool:
+        """Whether a persistent block stages O in tiles of its own (they fit beside Q's
+        and the ring), so that the next Q loads under this tile's last steps."""
+        return self.persistent and self._smem_bytes(head_dim, itemsize, True) <= _SMEM_BYTES
+
+    def _smem_bytes(self, head_dim: int, itemsize: int, out_tiles: bool) -> int:
+        q = (2 if out_tiles else 1) * self.rows * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
         return q + ring + self.rows * 4
 
@@ -80,21 +91,21 @@ class MosaicForwardConfig:
         cls, head_dim: int, *, kv_rows: int = 0, full: bool = False
     ) -> MosaicForwardConfig:
         """128-key steps in two stages for head dims up to 128 (160 KiB of shared memory
-        at D128, 192 KiB persistent); 64-key steps for D256 (192 KiB). Persistent up to
-        D128 (at D256 the O tiles do not fit). `full` calls (no causal mask or window) of
-        at least LONG_FULL_KEYS keys (`kv_rows`, Tk) up to D128 take 192-key steps, a
-        block per tile (224 KiB at D128: no room for the persistent form's O tiles).
+        at D128, 192 KiB with the persistent form's O tiles); 64-key steps for D256 (192
+        KiB). Persistent up to D128 (at D256 the O tiles do not fit, and a block per tile
+        runs). `full` calls (no causal mask or window) of at least LONG_FULL_KEYS keys
+        (`kv_rows`, Tk) up to D128 take 192-key steps, persistent (224 KiB at D128: O
+        leaves through Q's buffer); their last block, when Tk is not a multiple of 192,
+        runs as a narrower step over its real keys.
 
         Measured on an H100 (jax 0.11.2, bf16 GQA 32/8, full attention, 2026-11-26,
-        `bench/HISTORY.md`): persistent against a block per tile, B1 S4096 0.473 / 0.477
-        ms, B8 S2048 0.958 / 1.030, B1 S8192 1.84 / 1.86, B1 S16384 7.35 / 7.32, D64 B1
-        S4096 0.312 / 0.320. 192-key steps against persistent 128: B1 S16384 6.89 / 7.41
-        ms, B1 S8192 1.82 / 1.91, Tq 4096 Tk 10240 1.13 / 1.17, D64 B1 S16384 4.63 /
-        4.95; but B1 S4096 0.484 / 0.472 (its last block a third full) and B8 S2048 1.046
-        / 0.958; causal rows 5-46% slower.
+        `bench/HISTORY.md`), persistent 192-key steps against persistent 128, ms: B1
+        S4096 0.472 / 0.483, B8 S2048 0.976 / 0.980, B1 S8192 1.79 / 1.93, B1 S16384
+        7.05 / 7.48 (a block per tile 7.04), D64 B8 S2048 0.622 / 0.654; but B16 S1024
+        0.578 / 0.495. Causal rows ran 5-46% slower in 192-key steps.
         """
         if full and head_dim <= 128 and kv_rows >= LONG_FULL_KEYS:
-            return cls(64, 192, 2)
+            return cls(64, 192, 2, persistent=True)
         return cls(64, 64 if head_dim > 128 else 128, 2, persistent=head_dim <= 128)
 
 

@@ -4,9 +4,11 @@ specialization.
 A block computes `2 * block_q` query rows of one query head of one sequence (a tile); in
 the persistent form (full attention over more tiles than SMs), one block per SM computes
 tile after tile, its ring running on across them, each consumer loading its next tile's Q
-once its last S GEMM of this one is done, and O leaving through tiles of its own
-(`MosaicForwardConfig.persistent`). A block runs three warpgroups (FlashAttention-3,
-Shah et al. 2024):
+once its last S GEMM of this one is done, and O leaving through tiles of its own, or
+where those do not fit (192-key steps at D128) through the rows of the last key block's
+ring slots that lie past Tk (`MosaicForwardConfig.persistent`). Full attention's last
+key block, when Tk is not a multiple of `block_kv`, runs as a narrower step over its real
+keys. A block runs three warpgroups (FlashAttention-3, Shah et al. 2024):
 
 - a producer (warpgroup 2) that only issues TMA copies of the head's K and V blocks into
   a ring of `num_stages` shared-memory slots, each slot guarded by a "loaded" barrier
@@ -170,7 +172,7 @@ def _kernel(
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
-    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: persistent only
+    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: `config.out_tiles`
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
     _, q_rows, _, head_dim = q_ref.shape
@@ -180,7 +182,18 @@ def _kernel(
     ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
     # The last block runs past Tk (Tk not a multiple of block_kv): masked there.
     ragged_end = not ragged and kv_rows % block_kv != 0
-    mask_needed = causal or window is not None or ragged or ragged_end
+    # Full attention over a dense batch: the last block's real keys (a multiple of 64)
+    # run as a narrower step, no mask and no GEMM over the keys past Tk.
+    short_tail = ragged_end and not causal and window is None
+    tail_keys = kv_rows % block_kv if short_tail else block_kv
+    mask_needed = causal or window is not None or ragged or (ragged_end and not short_tail)
+    # Where O is staged for its copy out: its own tiles, or (persistent without them) the
+    # rows of the last block's K and V slots that its short step does not read (64 rows
+    # for each consumer; the slots are released once the copies have read them), or
+    # else Q's buffer (the next Q then loads only after the copy).
+    spare = [(buf, row) for buf in (0, 1) for row in range(tail_keys, block_kv, block_q)]
+    in_spare_rows = bool(persistent) and not o_tiles and len(spare) >= CONSUMERS
+    spare = spare[:CONSUMERS] if in_spare_rows else []
     wg = lax.axis_index("wg")
     if persistent:
         p = lax.axis_index("blocks")
@@ -225,9 +238,10 @@ def _kernel(
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-        # Persistent blocks stage O apart from Q, whose next tile then loads under the
-        # last steps and the epilogue of this one; else O goes out through Q's buffer.
-        o_smem = o_tiles[0].at[wg] if persistent else q_smem
+        # Persistent blocks stage O apart from Q (in tiles of their own, or in the last
+        # block's spare rows), and the next tile's Q loads under the last steps and the
+        # epilogue of this one; else (`None`: spare rows) O goes out through Q's buffer.
+        o_smem = o_tiles[0].at[wg] if o_tiles else None if spare else q_smem
 
         def load_q(w: _Work):
             rows = pl.ds(w.tile.q_base + rows_of(w.tile, wg), block_q)
@@ -290,18 +304,31 @@ def _kernel(
                 alpha = jnp.exp2(m - m_new)
                 return m_new, alpha, p, l * alpha + p.sum(axis=1)
 
-            def step_body(step, carry, *, masked: bool):
-                """One key block: S = Q K^T, softmax, O += P V, the GEMMs in turn."""
+            def release(consumed, slot, keys: int, buf: int):
+                """Arrive on a slot's consumed barrier, but for the slot whose spare rows
+                stage this consumer's O (the short step's): it arrives after the copy."""
+                holders = [c for c, (b, _) in enumerate(spare) if b == buf]
+                if keys == block_kv or not holders:
+                    plgpu.barrier_arrive(consumed.at[slot])
+                elif len(holders) < CONSUMERS:
+                    pl.when(wg != holders[0])(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+
+            def step_body(step, carry, *, masked: bool, keys: int = block_kv):
+                """One key block: S = Q K^T, softmax, O += P V, the GEMMs in turn; over
+                the block's first `keys` keys (the short last step: `tail_keys`)."""
                 acc, m, l = carry
                 slot = slot_of(base + step, stages)
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                if keys < block_kv:
+                    k_tile, v_tile = k_tile.at[pl.ds(0, keys)], v_tile.at[pl.ds(0, keys)]
 
                 def qk_gemm(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                     schedule_turn()
                     return acc_ref[...]
 
-                qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
+                qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, keys), jnp.float32))
+                release(k_consumed, slot, keys, buf=0)
                 if next_q is not None:  # Q is read: the next tile's may land (persistent
                     # tiles are alike and see every block: my_hi > my_lo, so this runs)
                     pl.when(step == my_hi - 1)(next_q)
@@ -314,7 +341,7 @@ def _kernel(
                 plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
                 def pv_gemm(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p16, v_tile)
                     nxt = step + 1
 
                     @pl.when(nxt < my_hi)
@@ -322,7 +349,7 @@ def _kernel(
                         plgpu.barrier_wait(k_loaded.at[slot_of(base + nxt, stages)])
 
                 acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_consumed.at[slot])
+                release(v_consumed, slot, keys, buf=1)
                 return acc, m_new, l
 
             lax.fori_loop(ring.first, my_lo, pass_over, None)
@@ -337,7 +364,12 @@ def _kernel(
             carry = (acc, m, l)
             carry = lax.fori_loop(my_lo, full_lo, masked, carry)
             carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-            acc, m, l = lax.fori_loop(full_hi, my_hi, masked, carry)
+            if short_tail:  # the last block (my_hi = full_hi + 1): its real keys only
+                short = functools.partial(step_body, masked=False, keys=tail_keys)
+                carry = lax.fori_loop(full_hi, my_hi, short, carry)
+            else:
+                carry = lax.fori_loop(full_hi, my_hi, masked, carry)
+            acc, m, l = carry
             pl.when((wg == 0) & closing)(schedule_turn)
             lax.fori_loop(my_hi, ring.hi, pass_over, None)
 
@@ -351,16 +383,28 @@ def _kernel(
                 seen = seen & (jnp.where(real, 1.0, 0.0).max(axis=1) > 0)
             if persistent:  # the last tile's stores have read their buffers
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[...] = out.astype(dtype)
+            out = out.astype(dtype)
             lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-            lse_smem[...] = lse
-            plgpu.commit_smem()
 
-            def store(outs, lses, seq, rows):
+            def store(outs, lses, seq, rows, o_smem=o_smem):
+                o_smem[...] = out
+                lse_smem[...] = lse
+                plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, outs.at[seq, pl.ds(rows, block_q), w.h])
                 plgpu.copy_smem_to_gmem(lse_smem, lses.at[seq, w.h, pl.ds(rows, block_q)])
 
-            if not packed:
+            if spare:  # O in the last block's spare rows; their slot freed after the copy
+                last = slot_of(base + my_hi - 1, stages)
+                for c, (buf, row) in enumerate(spare):
+
+                    @pl.when(wg == c)
+                    def _(buf=buf, row=row):
+                        rows = (k_smem, v_smem)[buf].at[last, pl.ds(row, block_q)]
+                        store(out_ref, lse_ref, tile.batch, first_row, o_smem=rows)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        plgpu.barrier_arrive((k_consumed, v_consumed)[buf].at[last])
+
+            elif not packed:
                 store(out_ref, lse_ref, tile.batch, first_row)
             else:  # in place, or (a tile cut by its sequence's start or end) into a tail
                 at_array = functools.partial(
@@ -383,7 +427,11 @@ def _kernel(
                     pl.when(k + 1 < count)(lambda: load_q(work_of(item(k + 1))))
 
                 attend(work_of(item(k)), k * num_blocks, opening=k == 0,
-                       closing=k == count - 1, next_q=next_q)  # fmt: skip
+                       closing=k == count - 1,
+                       next_q=None if o_smem is q_smem else next_q)  # fmt: skip
+                if o_smem is q_smem:  # O leaves through Q's buffer: the next Q once it has
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    next_q()
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -556,7 +604,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
     alike = lengths is None and not options["causal"] and options["window"] is None
     blocks = persistent_blocks(config, launch, alike)
-    if blocks:  # O's own staging tiles
+    if blocks and config.out_tiles(head_dim, jnp.dtype(dtype).itemsize):  # O's own staging tiles
         smem += (plgpu.SMEM((CONSUMERS, config.block_q, head_dim), dtype, transforms=tiled),)
     kernel = functools.partial(
         _kernel,
