@@ -272,7 +272,8 @@ def heuristic_config(seq_len: int, heads: Heads, causal: bool):
     config = FlashPrefillConfig.heuristic(seq_len, seq_len, heads.head_dim, heads.dtype, causal)
     q_shape = (1, seq_len, heads.num_q_heads, heads.head_dim)
     k_shape = (1, seq_len, heads.num_kv_heads, heads.head_dim)
-    return with_backend(config, select_forward(config, q_shape, k_shape, heads.dtype))
+    tiling = select_forward(config, q_shape, k_shape, heads.dtype, full=not causal)
+    return with_backend(config, tiling)
 
 
 SWEEP = Sweep(parse=parse_config, label=config_label, default=DEFAULT_SWEEP)
