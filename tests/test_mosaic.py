@@ -372,10 +372,22 @@ def test_persistent_blocks():
     assert persistent_blocks(config, many, True, sms=0) == 0  # count unknown
 
 
-def test_persistent_kernel_lowers_for_cuda(monkeypatch):
-    """The persistent form traces and lowers for CUDA (its block count taken)."""
+PERSISTENT_LOWERED = [  # (Tk, D, block_kv): where O is staged
+    (4160, 128, 128),  # its own tiles; a short last step of 64 keys
+    (4096, 128, 192),  # the last block's K slot rows 64..191 (both consumers)
+    (4160, 128, 192),  # the last block's K and V slot rows 128..191
+    (4032, 128, 192),  # Q's buffer (Tk a multiple of 192: no spare rows)
+    (4096, 64, 192),  # its own tiles
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_LOWERED, ids=lambda c: "-".join(map(str, c)))
+def test_persistent_kernel_lowers_for_cuda(monkeypatch, case):
+    """The persistent form traces and lowers for CUDA (its block count taken), O staged
+    in each of its places."""
     from pallas_kernels.mosaic import forward
 
+    tk, d, block_kv = case
     calls = []
 
     def blocks(config, launch, alike, sms=None):
@@ -383,9 +395,10 @@ def test_persistent_kernel_lowers_for_cuda(monkeypatch):
         return calls[-1]
 
     monkeypatch.setattr(forward, "persistent_blocks", blocks)
-    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, 4160, 2, 128), jnp.bfloat16)  # a last block of 64 keys
-    fn = functools.partial(mosaic_forward, scale=0.1)
+    q = jax.ShapeDtypeStruct((1, 4096, 8, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, tk, 2, d), jnp.bfloat16)
+    config = MosaicForwardConfig(64, block_kv, 2, persistent=True)
+    fn = functools.partial(mosaic_forward, scale=0.1, config=config)
     text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and calls == [132]
 
