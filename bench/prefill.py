@@ -45,6 +45,7 @@ DEFAULT_SWEEP = (
     "mosaic:64x128x2p",
     "mosaic:64x128x2",
     "mosaic:64x192x2",
+    "mosaic:64x192x2p",
     "mosaic:64x64x2",
     "mosaic:64x64x3",
     "mosaic:64x64x4",

@@ -160,6 +160,31 @@ def test_forced_mosaic_off_hopper_falls_through_an_implementation_list():
     np.testing.assert_allclose(util.f64(out), want, atol=1e-5, rtol=1e-5)
 
 
+def test_o_staging():
+    """Where a block stages O: Q's buffer for a block per tile; persistent, tiles of its
+    own where they fit, else the short last step's spare slot rows, else Q's buffer."""
+    from pallas_kernels.mosaic.forward import K_SLOT, V_SLOT, OStaging, o_staging
+
+    def staging(block_kv, d, tail, persistent=True, stages=2):
+        config = MosaicForwardConfig(64, block_kv, stages, persistent=persistent)
+        return o_staging(config, d, 2, persistent=persistent, tail_keys=tail)
+
+    assert staging(192, 128, 64, persistent=False) == OStaging()
+    assert staging(128, 128, 64) == staging(192, 64, 64) == OStaging(tiles=True)
+    assert staging(192, 128, 64) == OStaging(spare=((K_SLOT, 64), (K_SLOT, 128)))
+    assert staging(192, 128, 128) == OStaging(spare=((K_SLOT, 128), (V_SLOT, 128)))
+    assert staging(128, 128, 64, stages=3) == OStaging(spare=((K_SLOT, 64), (V_SLOT, 64)))
+    assert staging(192, 128, 0) == staging(64, 256, 0) == OStaging()  # Q's buffer
+    # The kernel's short step: full attention over a dense batch only.
+    from pallas_kernels.mosaic.forward import short_tail_keys
+
+    full = dict(causal=False, window=None, ragged=False)
+    assert short_tail_keys(4096, 192, **full) == 64
+    assert short_tail_keys(2624, 192, **full) == 128 and short_tail_keys(2304, 192, **full) == 0
+    for other in (dict(causal=True), dict(window=100), dict(ragged=True)):
+        assert short_tail_keys(4096, 192, **{**full, **other}) == 0
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="backend"):
         jaxattn.FlashPrefillConfig(backend="cuda")
@@ -372,12 +397,14 @@ def test_persistent_blocks():
     assert persistent_blocks(config, many, True, sms=0) == 0  # count unknown
 
 
-PERSISTENT_LOWERED = [  # (Tk, D, block_kv): where O is staged
-    (4160, 128, 128),  # its own tiles; a short last step of 64 keys
-    (4096, 128, 192),  # the last block's K slot rows 64..191 (both consumers)
-    (4160, 128, 192),  # the last block's K and V slot rows 128..191
-    (4032, 128, 192),  # Q's buffer (Tk a multiple of 192: no spare rows)
-    (4096, 64, 192),  # its own tiles
+PERSISTENT_LOWERED = [  # (Tk, D, block_kv, stages): where O is staged
+    (4160, 128, 128, 2),  # its own tiles; a short last step of 64 keys
+    (4096, 128, 192, 2),  # the last block's K slot rows 64..191 (both consumers)
+    (4160, 128, 192, 2),  # the last block's K and V slot rows 128..191
+    (4032, 128, 192, 2),  # Q's buffer (Tk a multiple of 192: no spare rows)
+    (4096, 64, 192, 2),  # its own tiles
+    (4160, 128, 128, 3),  # K and V slot rows 64..127 of a 3-slot ring
+    (4096, 256, 64, 2),  # Q's buffer
 ]
 
 
@@ -387,7 +414,7 @@ def test_persistent_kernel_lowers_for_cuda(monkeypatch, case):
     in each of its places."""
     from pallas_kernels.mosaic import forward
 
-    tk, d, block_kv = case
+    tk, d, block_kv, stages = case
     calls = []
 
     def blocks(config, launch, alike, sms=None):
@@ -397,7 +424,7 @@ def test_persistent_kernel_lowers_for_cuda(monkeypatch, case):
     monkeypatch.setattr(forward, "persistent_blocks", blocks)
     q = jax.ShapeDtypeStruct((1, 4096, 8, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, tk, 2, d), jnp.bfloat16)
-    config = MosaicForwardConfig(64, block_kv, 2, persistent=True)
+    config = MosaicForwardConfig(64, block_kv, stages, persistent=True)
     fn = functools.partial(mosaic_forward, scale=0.1, config=config)
     text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and calls == [132]
@@ -438,7 +465,8 @@ KERNEL_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, causal, window, soft_cap)
     (1, 512, 192, 4, 2, 256, True, None, None),  # warpgroup 0 sees no key, 1 does
     (1, 512, 256, 4, 2, 128, False, 64, None),  # window, Tq > Tk, not causal
     (1, 256, 256, 4, 2, 128, True, 1, None),  # window 1: each row its own key
-    (1, 256, 320, 4, 2, 128, False, None, None),  # Tk past the last full block: masked
+    (1, 256, 320, 4, 2, 128, False, None, None),  # Tk past the last full block: short step
+    (1, 256, 320, 4, 2, 128, False, 200, None),  # the same with a window: masked
     (1, 256, 448, 4, 2, 64, True, None, 20.0),
     (2, 256, 320, 4, 2, 128, True, None, None),
 ]
@@ -490,11 +518,17 @@ PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap, (block_kv, stages)): >
     (1, 4096, 4160, 9, 3, 128, None, (128, 2)),  # 2 or 3 tiles a block; last block 64 keys
     (1, 2560, 2624, 8, 2, 64, None, (128, 3)),  # 21 steps a tile: slots of 3 across tiles
     (2, 2048, 2048, 8, 4, 64, None, (64, 4)),
-    # 192-key steps: O through Q's buffer at D128 (its own tiles at D64); short last steps
-    (1, 2560, 2624, 8, 2, 128, None, (192, 2)),  # 13 blocks of 192 + 128
-    (1, 2560, 2560, 8, 2, 128, 30.0, (192, 2)),  # 13 blocks of 192 + 64
-    (1, 2560, 2304, 8, 2, 128, None, (192, 2)),  # 12 blocks of 192, no short step
-    (2, 1024, 2560, 16, 4, 64, None, (192, 2)),
+    # Where O tiles do not fit (`o_staging`): O in the last block's spare rows, else
+    # through Q's buffer. 192-key steps at D128:
+    (1, 2560, 2624, 8, 2, 128, None, (192, 2)),  # 13 x 192 + 128: K and V rows 128..191
+    (1, 2560, 2560, 8, 2, 128, 30.0, (192, 2)),  # 13 x 192 + 64: K rows 64..191
+    (1, 2560, 2304, 8, 2, 128, None, (192, 2)),  # 12 x 192, no short step: Q's buffer
+    (2, 1024, 2624, 16, 4, 128, None, (192, 2), "float16"),
+    (1, 2560, 128, 8, 2, 128, None, (192, 2)),  # one block, its short step the only step
+    (1, 2560, 2624, 8, 2, 128, None, (128, 3)),  # 3 slots: K and V rows 64..127
+    (1, 2560, 2560, 8, 2, 128, None, (128, 3)),  # 3 slots, no short step: Q's buffer
+    (1, 2560, 2560, 8, 2, 256, None, (64, 2)),  # D256: Q's buffer
+    (2, 1024, 2560, 16, 4, 64, None, (192, 2)),  # D64: O tiles of its own
 ]
 
 
@@ -503,10 +537,11 @@ PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap, (block_kv, stages)): >
 def test_persistent_matches_per_tile(case):
     """The persistent form computes each tile as the per-tile launch does (which the
     oracle tests check): bit for bit, out and lse, whichever block takes the tile."""
-    b, tq, tk, hq, hkv, d, cap, (block_kv, stages) = case
+    b, tq, tk, hq, hkv, d, cap, (block_kv, stages), *dtype = case
+    dtype = dtype[0] if dtype else "bfloat16"
     rng = util.rng_for("mosaic persistent", case)
-    q = util.randn(rng, (b, tq, hq, d), "bfloat16")
-    k, v = (util.randn(rng, (b, tk, hkv, d), "bfloat16") for _ in range(2))
+    q = util.randn(rng, (b, tq, hq, d), dtype)
+    k, v = (util.randn(rng, (b, tk, hkv, d), dtype) for _ in range(2))
     persistent = MosaicForwardConfig(64, block_kv, stages, persistent=True)
     launch = Launch(hq, tq // persistent.rows, b, hq // hkv)
     assert persistent.persistent and persistent_blocks(persistent, launch, True) > 0
@@ -523,9 +558,9 @@ def test_persistent_matches_per_tile(case):
 def test_long_full_attention_matches_oracle(d):
     """The tiling the heuristic gives long full attention (192-key steps), chosen by
     `jaxattn.attention`, with a last key block a third full (Tk = 11 blocks of 192 + 64:
-    the short last step)."""
+    the short last step), over 160 tiles (persistent; at D128 O in the spare rows)."""
     rng = util.rng_for("mosaic long full", d)
-    q = util.randn(rng, (1, 256, 4, d), "bfloat16")
+    q = util.randn(rng, (1, 2560, 8, d), "bfloat16")
     k, v = (util.randn(rng, (1, LONG_FULL_KEYS + 128, 2, d), "bfloat16") for _ in range(2))
     picked = forward_backend(_static(causal=False), None, q, k, (None,) * 4)
     assert picked == ("mosaic", MosaicForwardConfig(64, 192, 2, persistent=True))

@@ -35,8 +35,9 @@ class MosaicForwardConfig:
         consumer warpgroups, so it covers 128 rows; 128 rows per warpgroup would hold two
         128-column float32 tiles, more than a consumer's registers).
       block_kv: keys per step of the TMA ring: 64, 128 or 192 (wgmma contracts P V over
-        multiples of 64 keys). Tk need not be a multiple: the last block's keys past Tk
-        are masked (its TMA copy reads zeros there).
+        multiples of 64 keys). Tk need not be a multiple: the last block's TMA copy
+        reads zeros past Tk, and full attention over a dense batch runs that block as a
+        narrower step over its real keys; other calls mask the keys past Tk.
       num_stages: slots of the ring, 2 to 4: K/V blocks in flight ahead of the consumers.
       persistent: calls whose tiles are all alike (no causal mask, window, lengths or
         packing) run one block per SM, each walking its share of the tiles: the producer
@@ -75,7 +76,8 @@ class MosaicForwardConfig:
 
     def out_tiles(self, head_dim: int, itemsize: int = 2) -> bool:
         """Whether a persistent block stages O in tiles of its own (they fit beside Q's
-        and the ring), so that the next Q loads under this tile's last steps."""
+        and the ring). Where they do not, O goes to the last key block's spare slot rows
+        or Q's buffer (`forward.o_staging`)."""
         return self.persistent and self._smem_bytes(head_dim, itemsize, True) <= _SMEM_BYTES
 
     def _smem_bytes(self, head_dim: int, itemsize: int, out_tiles: bool) -> int:
@@ -92,17 +94,20 @@ class MosaicForwardConfig:
     ) -> MosaicForwardConfig:
         """128-key steps in two stages for head dims up to 128 (160 KiB of shared memory
         at D128, 192 KiB with the persistent form's O tiles); 64-key steps for D256 (192
-        KiB). Persistent up to D128 (at D256 the O tiles do not fit, and a block per tile
-        runs). `full` calls (no causal mask or window) of at least LONG_FULL_KEYS keys
+        KiB). Persistent up to D128 (not asked at D256, where the O tiles do not fit).
+        `full` calls (no causal mask or window) of at least LONG_FULL_KEYS keys
         (`kv_rows`, Tk) up to D128 take 192-key steps, persistent (224 KiB at D128: O
-        leaves through Q's buffer); their last block, when Tk is not a multiple of 192,
-        runs as a narrower step over its real keys.
+        leaves through the last block's spare slot rows, or Q's buffer when Tk is a
+        multiple of 192); their last block, when Tk is not a multiple of 192, runs as a
+        narrower step over its real keys.
 
-        Measured on an H100 (jax 0.11.2, bf16 GQA 32/8, full attention, 2026-11-26,
-        `bench/HISTORY.md`), persistent 192-key steps against persistent 128, ms: B1
-        S4096 0.472 / 0.483, B8 S2048 0.976 / 0.980, B1 S8192 1.79 / 1.93, B1 S16384
-        7.05 / 7.48 (a block per tile 7.04), D64 B8 S2048 0.622 / 0.654; but B16 S1024
-        0.578 / 0.495. Causal rows ran 5-46% slower in 192-key steps.
+        Measured on an H100 (jax 0.11.2, bf16 GQA 32/8, full attention, probes of
+        2026-11-26 19:25-19:30 UTC, `bench/HISTORY.md`), persistent 192-key steps against
+        persistent 128, ms: B1 S4096 0.462 / 0.481, B8 S2048 0.938 / 0.983, B1 S8192
+        1.767 / 1.926, B1 S16384 7.004 / 7.578, D64 B8 S2048 0.632 / 0.655; but B16 S1024
+        0.578 / 0.495 (O through Q's buffer then). Causal rows ran 5-46% slower in
+        192-key steps. Calls of one wave of tiles over 2048-8192 keys (a block per tile)
+        were not measured at 192 against 128 keys.
         """
         if full and head_dim <= 128 and kv_rows >= LONG_FULL_KEYS:
             return cls(64, 192, 2, persistent=True)

@@ -3,10 +3,11 @@ specialization.
 
 A block computes `2 * block_q` query rows of one query head of one sequence (a tile); in
 the persistent form (full attention over more tiles than SMs), one block per SM computes
-tile after tile, its ring running on across them, each consumer loading its next tile's Q
-once its last S GEMM of this one is done, and O leaving through tiles of its own, or
+tile after tile, its ring running on across them. O leaves through tiles of its own, or
 where those do not fit (192-key steps at D128) through the rows of the last key block's
-ring slots that lie past Tk (`MosaicForwardConfig.persistent`). Full attention's last
+ring slots that lie past Tk, and each consumer loads its next tile's Q once its last S
+GEMM of this one is done; failing both (Tk a multiple of 192), O leaves through Q's
+buffer and the next Q loads after its copy (`o_staging`). Full attention's last
 key block, when Tk is not a multiple of `block_kv`, runs as a narrower step over its real
 keys. A block runs three warpgroups (FlashAttention-3, Shah et al. 2024):
 
@@ -137,6 +138,42 @@ def key_blocks(first_row, rows: int, *, q_len, offset, kv_len, kv_first=None, **
     return block_range(first, last, kv_len=kv_len, kv_first=kv_first, **range_options)
 
 
+K_SLOT, V_SLOT = 0, 1  # a ring slot's K or V buffer (`OStaging.spare`)
+
+
+class OStaging(NamedTuple):
+    """Where a block stages its O tiles for their copy out: in tiles of their own
+    (`tiles`), in rows of the last key block's ring slots that its short step does not
+    read (`spare`: per consumer, (K_SLOT or V_SLOT, first row)), or else in Q's buffer."""
+
+    tiles: bool = False
+    spare: tuple = ()
+
+
+def short_tail_keys(kv_rows: int, block_kv: int, *, causal, window, ragged) -> int:
+    """The real keys of the last key block when full attention over a dense batch runs
+    it as a narrower step (Tk not a multiple of `block_kv`: 64 or 128 of 192), else 0."""
+    full_dense = not causal and window is None and not ragged
+    return kv_rows % block_kv if full_dense else 0
+
+
+def o_staging(config: MosaicForwardConfig, head_dim: int, itemsize: int, *,
+              persistent: bool, tail_keys: int) -> OStaging:  # fmt: skip
+    """A block per tile: Q's buffer (nothing loads after O). Persistent: O tiles of its
+    own where they fit (`config.out_tiles`), so that the next Q loads under the last
+    steps; else the spare rows of a short last step (`tail_keys` > 0: 64 rows for each
+    consumer, K's first, then V's), which keep that overlap; else Q's buffer, the next Q
+    loading after O's copy has read it."""
+    if not persistent:
+        return OStaging()
+    if config.out_tiles(head_dim, itemsize):
+        return OStaging(tiles=True)
+    if not tail_keys:
+        return OStaging()
+    rows = range(tail_keys, config.block_kv, config.block_q)  # at least one a slot
+    return OStaging(spare=tuple((buf, r) for buf in (K_SLOT, V_SLOT) for r in rows)[:CONSUMERS])
+
+
 class _Work(NamedTuple):
     """One query tile's work: where it is (`tile`, query head `h`, kv head `kvh`), the
     key count past which keys are masked (`kv_limit`, or None) and the key blocks its
@@ -172,7 +209,7 @@ def _kernel(
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
-    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: `config.out_tiles`
+    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: `OStaging.tiles`
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
     _, q_rows, _, head_dim = q_ref.shape
@@ -180,20 +217,16 @@ def _kernel(
     dtype = q_ref.dtype
     num_blocks = pl.cdiv(kv_rows, block_kv)
     ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
-    # The last block runs past Tk (Tk not a multiple of block_kv): masked there.
+    # The last block runs past Tk (Tk not a multiple of block_kv): in full attention
+    # over a dense batch a narrower step over its real keys (no mask, no GEMM past Tk),
+    # else masked there.
     ragged_end = not ragged and kv_rows % block_kv != 0
-    # Full attention over a dense batch: the last block's real keys (a multiple of 64)
-    # run as a narrower step, no mask and no GEMM over the keys past Tk.
-    short_tail = ragged_end and not causal and window is None
-    tail_keys = kv_rows % block_kv if short_tail else block_kv
-    mask_needed = causal or window is not None or ragged or (ragged_end and not short_tail)
-    # Where O is staged for its copy out: its own tiles, or (persistent without them) the
-    # rows of the last block's K and V slots that its short step does not read (64 rows
-    # for each consumer; the slots are released once the copies have read them), or
-    # else Q's buffer (the next Q then loads only after the copy).
-    spare = [(buf, row) for buf in (0, 1) for row in range(tail_keys, block_kv, block_q)]
-    in_spare_rows = bool(persistent) and not o_tiles and len(spare) >= CONSUMERS
-    spare = spare[:CONSUMERS] if in_spare_rows else []
+    tail_keys = short_tail_keys(kv_rows, block_kv, causal=causal, window=window, ragged=ragged)
+    mask_needed = causal or window is not None or ragged or (ragged_end and not tail_keys)
+    staging = o_staging(config, head_dim, jnp.dtype(dtype).itemsize,
+                        persistent=bool(persistent), tail_keys=tail_keys)  # fmt: skip
+    assert staging.tiles == bool(o_tiles), (staging, len(o_tiles))
+    spare = staging.spare  # the slots holding O are released once its copy has read it
     wg = lax.axis_index("wg")
     if persistent:
         p = lax.axis_index("blocks")
@@ -223,9 +256,9 @@ def _kernel(
                             block_kv=block_kv)  # fmt: skip
         if not ragged_end:
             return bounds
-        # The last block runs past Tk: masked. Bounds that were Python ints stay so (a
-        # `kv_len` would make them traced): static trip counts run 2-5% faster (H100,
-        # 192-key blocks at Tk 4096 / 16384, B8 Tk 2048; bench/HISTORY.md).
+        # The last block runs past Tk (masked, or a short step). Bounds that were Python
+        # ints stay so (a `kv_len` would make them traced): static trip counts run 2-5%
+        # faster (H100, 192-key blocks at Tk 4096 / 16384, B8 Tk 2048; bench/HISTORY.md).
         lo, hi, full_lo, full_hi = bounds
         full_hi = imin(full_hi, kv_rows // block_kv)
         return lo, hi, imin(full_lo, full_hi), full_hi
@@ -238,10 +271,11 @@ def _kernel(
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-        # Persistent blocks stage O apart from Q (in tiles of their own, or in the last
-        # block's spare rows), and the next tile's Q loads under the last steps and the
-        # epilogue of this one; else (`None`: spare rows) O goes out through Q's buffer.
-        o_smem = o_tiles[0].at[wg] if o_tiles else None if spare else q_smem
+        # O's staging tile (`staging`); in the last block's spare rows it is picked in
+        # the epilogue. Staged apart from Q, the next tile's Q (persistent) loads under
+        # the last steps and the epilogue of this one; in Q's buffer, after O's copy.
+        o_smem = o_tiles[0].at[wg] if o_tiles else q_smem
+        next_q_early = bool(o_tiles or spare)
 
         def load_q(w: _Work):
             rows = pl.ds(w.tile.q_base + rows_of(w.tile, wg), block_q)
@@ -305,12 +339,13 @@ def _kernel(
                 return m_new, alpha, p, l * alpha + p.sum(axis=1)
 
             def release(consumed, slot, keys: int, buf: int):
-                """Arrive on a slot's consumed barrier, but for the slot whose spare rows
-                stage this consumer's O (the short step's): it arrives after the copy."""
+                """Arrive on a slot's K (`buf` K_SLOT) or V consumed barrier, but for the
+                buffer whose spare rows stage this consumer's O (the short step's): the
+                epilogue arrives there, after O's copy."""
                 holders = [c for c, (b, _) in enumerate(spare) if b == buf]
                 if keys == block_kv or not holders:
                     plgpu.barrier_arrive(consumed.at[slot])
-                elif len(holders) < CONSUMERS:
+                elif len(holders) < CONSUMERS:  # CONSUMERS == 2: one holder, one not
                     pl.when(wg != holders[0])(lambda: plgpu.barrier_arrive(consumed.at[slot]))
 
             def step_body(step, carry, *, masked: bool, keys: int = block_kv):
@@ -328,7 +363,7 @@ def _kernel(
                     return acc_ref[...]
 
                 qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, keys), jnp.float32))
-                release(k_consumed, slot, keys, buf=0)
+                release(k_consumed, slot, keys, buf=K_SLOT)
                 if next_q is not None:  # Q is read: the next tile's may land (persistent
                     # tiles are alike and see every block: my_hi > my_lo, so this runs)
                     pl.when(step == my_hi - 1)(next_q)
@@ -349,7 +384,7 @@ def _kernel(
                         plgpu.barrier_wait(k_loaded.at[slot_of(base + nxt, stages)])
 
                 acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
-                release(v_consumed, slot, keys, buf=1)
+                release(v_consumed, slot, keys, buf=V_SLOT)
                 return acc, m_new, l
 
             lax.fori_loop(ring.first, my_lo, pass_over, None)
@@ -364,7 +399,7 @@ def _kernel(
             carry = (acc, m, l)
             carry = lax.fori_loop(my_lo, full_lo, masked, carry)
             carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-            if short_tail:  # the last block (my_hi = full_hi + 1): its real keys only
+            if tail_keys:  # the last block (my_hi = full_hi + 1): its real keys only
                 short = functools.partial(step_body, masked=False, keys=tail_keys)
                 carry = lax.fori_loop(full_hi, my_hi, short, carry)
             else:
@@ -381,7 +416,8 @@ def _kernel(
                 real = r < seq.q_len - first_row
                 out = jnp.where(real, out, 0.0)
                 seen = seen & (jnp.where(real, 1.0, 0.0).max(axis=1) > 0)
-            if persistent:  # the last tile's stores have read their buffers
+            if o_tiles:  # the last tile's stores have read their buffers (the other
+                # stagings waited after their copies)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             out = out.astype(dtype)
             lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -394,13 +430,16 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_smem, lses.at[seq, w.h, pl.ds(rows, block_q)])
 
             if spare:  # O in the last block's spare rows; their slot freed after the copy
+                # Persistent tiles are alike: every one ends on the short step, whose
+                # bounds are Python ints.
+                assert (my_lo, full_hi, my_hi) == (0, num_blocks - 1, num_blocks)
                 last = slot_of(base + my_hi - 1, stages)
                 for c, (buf, row) in enumerate(spare):
 
                     @pl.when(wg == c)
                     def _(buf=buf, row=row):
-                        rows = (k_smem, v_smem)[buf].at[last, pl.ds(row, block_q)]
-                        store(out_ref, lse_ref, tile.batch, first_row, o_smem=rows)
+                        staged = (k_smem, v_smem)[buf].at[last, pl.ds(row, block_q)]
+                        store(out_ref, lse_ref, tile.batch, first_row, o_smem=staged)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         plgpu.barrier_arrive((k_consumed, v_consumed)[buf].at[last])
 
@@ -428,9 +467,9 @@ def _kernel(
 
                 attend(work_of(item(k)), k * num_blocks, opening=k == 0,
                        closing=k == count - 1,
-                       next_q=None if o_smem is q_smem else next_q)  # fmt: skip
-                if o_smem is q_smem:  # O leaves through Q's buffer: the next Q once it has
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                       next_q=next_q if next_q_early else None)  # fmt: skip
+                if not next_q_early:  # O left through Q's buffer: the next Q once its
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # copy has read it
                     next_q()
 
         plgpu.wait_smem_to_gmem(0)
@@ -487,8 +526,9 @@ def mosaic_forward(
     Args:
       q: `[B, Tq, Hq, D]` bfloat16 or float16; k, v: `[B, Tk, Hkv, D]`, same dtype,
         `Hq % Hkv == 0`. D in (64, 128, 256); Tq a multiple of `config.rows`, Tk of 64
-        (not necessarily of `config.block_kv`: the last block's keys past Tk are
-        masked); `pallas_kernels.mosaic.support` checks all of this first.
+        (not necessarily of `config.block_kv`: the last block runs as a narrower step
+        in full attention, masked otherwise); `pallas_kernels.mosaic.support` checks
+        all of this first.
       q_lengths, kv_lengths: int `[B]` or None (all rows), as `jaxattn.attention`'s:
         sequence b's real queries are its first `q_lengths[b]` rows, its keys the first
         `kv_lengths[b]`, and its query row r sits at position `r + kv_lengths[b] -
@@ -604,7 +644,11 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
     alike = lengths is None and not options["causal"] and options["window"] is None
     blocks = persistent_blocks(config, launch, alike)
-    if blocks and config.out_tiles(head_dim, jnp.dtype(dtype).itemsize):  # O's own staging tiles
+    tail_keys = short_tail_keys(k.shape[1], config.block_kv, causal=options["causal"],
+                                window=options["window"], ragged=lengths is not None)  # fmt: skip
+    staging = o_staging(config, head_dim, jnp.dtype(dtype).itemsize, persistent=bool(blocks),
+                        tail_keys=tail_keys)  # fmt: skip
+    if staging.tiles:  # O's own staging tiles
         smem += (plgpu.SMEM((CONSUMERS, config.block_q, head_dim), dtype, transforms=tiled),)
     kernel = functools.partial(
         _kernel,
