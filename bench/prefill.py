@@ -268,12 +268,13 @@ def heuristic_config(seq_len: int, heads: Heads, causal: bool):
     """The heuristic config of a dense row of one sequence length, with the backend that
     `backend="auto"` picks on this device spelled out (`with_backend`)."""
     from jaxattn import FlashPrefillConfig
-    from pallas_kernels.mosaic import select_forward
+    from pallas_kernels.mosaic import full_attention, select_forward
 
     config = FlashPrefillConfig.heuristic(seq_len, seq_len, heads.head_dim, heads.dtype, causal)
     q_shape = (1, seq_len, heads.num_q_heads, heads.head_dim)
     k_shape = (1, seq_len, heads.num_kv_heads, heads.head_dim)
-    tiling = select_forward(config, q_shape, k_shape, heads.dtype, full=not causal)
+    full = full_attention(causal, window=None)
+    tiling = select_forward(config, q_shape, k_shape, heads.dtype, full=full)
     return with_backend(config, tiling)
 
 

@@ -39,6 +39,7 @@ from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import LogitParams
 from pallas_kernels.mosaic import (
+    full_attention,
     mosaic_backward,
     mosaic_backward_packed,
     mosaic_forward,
@@ -185,7 +186,7 @@ def forward_backend(static: _Static, config, q, k, extras, device=None):
     (`pallas_kernels.mosaic.select_forward`: the Hopper kernel on sm90 where it covers
     the call, unless `config.backend` forces one)."""
     options = _hopper_options(static, extras)
-    full = not (static.causal or static.packed) and static.window is None
+    full = full_attention(static.causal, static.window, ragged=static.packed)
     tiling = select_forward(
         config, q.shape, k.shape, q.dtype, device=device, full=full, out_fp8=static.out_fp8,
         **options,

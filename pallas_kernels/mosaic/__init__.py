@@ -5,7 +5,11 @@ calls they cover, and the dispatcher falls back to the Triton kernels for the re
 """
 
 from pallas_kernels.mosaic.backward import mosaic_backward, mosaic_backward_packed
-from pallas_kernels.mosaic.config import MosaicBackwardConfig, MosaicForwardConfig
+from pallas_kernels.mosaic.config import (
+    MosaicBackwardConfig,
+    MosaicForwardConfig,
+    full_attention,
+)
 from pallas_kernels.mosaic.forward import mosaic_forward, mosaic_forward_packed
 from pallas_kernels.mosaic.support import (
     backward_unsupported,
@@ -21,6 +25,7 @@ __all__ = [
     "backward_unsupported",
     "device_unsupported",
     "forward_unsupported",
+    "full_attention",
     "mosaic_backward",
     "mosaic_backward_packed",
     "mosaic_forward",

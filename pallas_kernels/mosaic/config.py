@@ -15,6 +15,14 @@ LONG_FULL_KEYS = 2048
 SPLIT_HEAD_DIM = 128
 
 
+def full_attention(causal: bool, window, ragged: bool = False) -> bool:
+    """Every query row sees every key: no causal mask, no window and (`ragged`: lengths
+    or packing) no padding. `MosaicForwardConfig.heuristic`'s `full` is this of a dense
+    or length-padded call; its persistent form and short last step need it of a dense
+    batch."""
+    return not causal and window is None and not ragged
+
+
 def split_columns(head_dim: int) -> bool:
     """The dK/dV block's two consumers hold the same keys, each half of the columns."""
     return head_dim > SPLIT_HEAD_DIM

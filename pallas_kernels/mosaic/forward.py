@@ -75,7 +75,7 @@ from pallas_kernels.mosaic.common import (
     visible,
     zero_padding,
 )
-from pallas_kernels.mosaic.config import KEY_ROWS, MosaicForwardConfig
+from pallas_kernels.mosaic.config import KEY_ROWS, MosaicForwardConfig, full_attention
 from pallas_kernels.mosaic.packed import (
     IN_PLACE,
     block_tile,
@@ -153,8 +153,7 @@ class OStaging(NamedTuple):
 def short_tail_keys(kv_rows: int, block_kv: int, *, causal, window, ragged) -> int:
     """The real keys of the last key block when full attention over a dense batch runs
     it as a narrower step (Tk not a multiple of `block_kv`: 64 or 128 of 192), else 0."""
-    full_dense = not causal and window is None and not ragged
-    return kv_rows % block_kv if full_dense else 0
+    return kv_rows % block_kv if full_attention(causal, window, ragged) else 0
 
 
 def o_staging(config: MosaicForwardConfig, head_dim: int, itemsize: int, *,
@@ -198,6 +197,8 @@ def _kernel(
     group: int,
     launch: Launch,
     persistent: int,
+    tail_keys: int,
+    staging: OStaging,
     config: MosaicForwardConfig,
 ):
     # q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (GMEM); with lengths, lengths [2, B] int32
@@ -209,7 +210,7 @@ def _kernel(
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
-    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: `OStaging.tiles`
+    qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: `staging.tiles`
     q_barriers, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
     _, q_rows, _, head_dim = q_ref.shape
@@ -218,14 +219,10 @@ def _kernel(
     num_blocks = pl.cdiv(kv_rows, block_kv)
     ragged = has_lengths or packed  # rows and keys past the sequence's counts are padding
     # The last block runs past Tk (Tk not a multiple of block_kv): in full attention
-    # over a dense batch a narrower step over its real keys (no mask, no GEMM past Tk),
-    # else masked there.
+    # over a dense batch a narrower step over its `tail_keys` real keys (no mask, no
+    # GEMM past Tk), else masked there.
     ragged_end = not ragged and kv_rows % block_kv != 0
-    tail_keys = short_tail_keys(kv_rows, block_kv, causal=causal, window=window, ragged=ragged)
     mask_needed = causal or window is not None or ragged or (ragged_end and not tail_keys)
-    staging = o_staging(config, head_dim, jnp.dtype(dtype).itemsize,
-                        persistent=bool(persistent), tail_keys=tail_keys)  # fmt: skip
-    assert staging.tiles == bool(o_tiles), (staging, len(o_tiles))
     spare = staging.spare  # the slots holding O are released once its copy has read it
     wg = lax.axis_index("wg")
     if persistent:
@@ -274,8 +271,8 @@ def _kernel(
         # O's staging tile (`staging`); in the last block's spare rows it is picked in
         # the epilogue. Staged apart from Q, the next tile's Q (persistent) loads under
         # the last steps and the epilogue of this one; in Q's buffer, after O's copy.
-        o_smem = o_tiles[0].at[wg] if o_tiles else q_smem
-        next_q_early = bool(o_tiles or spare)
+        o_smem = o_tiles[0].at[wg] if staging.tiles else q_smem
+        next_q_early = staging.tiles or bool(spare)
 
         def load_q(w: _Work):
             rows = pl.ds(w.tile.q_base + rows_of(w.tile, wg), block_q)
@@ -416,7 +413,7 @@ def _kernel(
                 real = r < seq.q_len - first_row
                 out = jnp.where(real, out, 0.0)
                 seen = seen & (jnp.where(real, 1.0, 0.0).max(axis=1) > 0)
-            if o_tiles:  # the last tile's stores have read their buffers (the other
+            if staging.tiles:  # the last tile's stores have read their buffers (the other
                 # stagings waited after their copies)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             out = out.astype(dtype)
@@ -546,7 +543,7 @@ def mosaic_forward(
     """
     batch, q_rows, _, head_dim = q.shape
     kv_rows = k.shape[1]
-    full = not causal and window is None
+    full = full_attention(causal, window)
     config = config or MosaicForwardConfig.heuristic(head_dim, kv_rows=kv_rows, full=full)
     if not q_rows or not kv_rows or q_rows % config.rows or kv_rows % KEY_ROWS:
         raise ValueError(
@@ -642,10 +639,11 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     )
     group = num_q_heads // num_kv_heads
     launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
-    alike = lengths is None and not options["causal"] and options["window"] is None
+    ragged = lengths is not None  # lengths, or a packed batch's tile table
+    alike = full_attention(options["causal"], options["window"], ragged)
     blocks = persistent_blocks(config, launch, alike)
     tail_keys = short_tail_keys(k.shape[1], config.block_kv, causal=options["causal"],
-                                window=options["window"], ragged=lengths is not None)  # fmt: skip
+                                window=options["window"], ragged=ragged)  # fmt: skip
     staging = o_staging(config, head_dim, jnp.dtype(dtype).itemsize, persistent=bool(blocks),
                         tail_keys=tail_keys)  # fmt: skip
     if staging.tiles:  # O's own staging tiles
@@ -657,6 +655,8 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         group=group,
         launch=launch,
         persistent=blocks,
+        tail_keys=tail_keys,
+        staging=staging,
         config=config,
         **options,
     )
