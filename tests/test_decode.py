@@ -260,9 +260,9 @@ def test_decode_heuristic_query_rows(batch, context):
 def test_decode_heuristic_stacked_groups():
     """Group scales go through stacked rows (4 of them) for INT4 with two groups a half row
     and kv groups of at most 4 query heads, over our pages (`stacked_groups`; at D 64 with
-    at least one program per SM); not for
-    finer or coarser INT4 groups, larger kv groups, 8-bit groups, OpenPPL's layouts, V
-    not read as words, or a head dim or kv group not given."""
+    at least one program per SM); not for finer or coarser INT4 groups, larger kv groups,
+    8-bit groups, OpenPPL's layouts, V not read as words, or a head dim or kv group not
+    given."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, 64, 8, 16384, 16, sm_count=132, code="int4"
     )
