@@ -111,7 +111,9 @@ class PagedKVCache:
                 )
         if quant is None:
             shape = (num_pages, num_kv_heads, page_size, head_dim)
-            return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            cache = cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            cache.check()
+            return cache
         quant.check(head_dim)
         rows = (num_pages, num_kv_heads, page_size)
         data = (rows + (quant.packed_dim(head_dim),), quant.storage_dtype)
@@ -137,6 +139,11 @@ class PagedKVCache:
         if quant is None:
             if self.k_scales is not None or self.v_scales is not None:
                 raise ValueError("k_scales, v_scales: an unquantized cache (quant=None) has none")
+            if not jnp.issubdtype(k.dtype, jnp.floating):
+                raise ValueError(
+                    f"k_pages.dtype={k.dtype}: an unquantized cache (quant=None) holds floats; "
+                    "for integer codes with scales pass quant=KVQuant(...)"
+                )
             return
         quant.check(self.head_dim)
         if k.dtype != quant.storage_dtype:
@@ -276,7 +283,7 @@ def copy_pages(
     cache: PagedKVCache, src_pages: Int[Array, " N"], dst_pages: Int[Array, " N"]
 ) -> PagedKVCache:
     """Copies whole page `src_pages[i]` onto page `dst_pages[i]` (K, V and, per group,
-    their scale pages); a pair with an entry < 0 is skipped.
+    their scale pages); a pair with an entry < 0 or past the pool is skipped.
 
     The copy-on-write step of beam search: `KVCacheManager.fork` returns the pairs. Every
     pair reads the pages as they were before the call; destinations must be distinct.
@@ -295,8 +302,8 @@ def copy_pages(
             f"{dst_pages.dtype}: expected two int vectors [N] of one length"
         )
     n = cache.num_pages
-    skip = (src_pages < 0) | (dst_pages < 0)
-    src = jnp.clip(src_pages, 0, n - 1)
+    skip = (src_pages < 0) | (dst_pages < 0) | (src_pages >= n) | (dst_pages >= n)
+    src = jnp.clip(src_pages, 0, n - 1)  # a skipped pair's read goes nowhere
     dst = jnp.where(skip, n, dst_pages)  # past the pool: dropped
 
     def copy(pool):  # [N, ...]

@@ -56,6 +56,9 @@ class AttentionMetadata:
         `paged_attention` then runs the decode kernel alone: no flash-kernel branch, no
         merge of two kernels' rows. A row with more tokens in such a plan is an error
         that `check()` reports (its tokens output zeros).
+      page_size: static; P of the manager or tables the plan was made for (its slots are
+        `page * P + offset`), or None (not known). `paged_attention` raises when it is not
+        the cache's page size.
     """
 
     cu_seqlens_q: Int[Array, " S1"]
@@ -66,6 +69,7 @@ class AttentionMetadata:
     seq_ids: Int[Array, " S"]
     ring: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    page_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -121,6 +125,13 @@ class AttentionMetadata:
           q_lens: int `[S]`, new tokens per row (ignored for padding rows).
           max_tokens: T, the token bucket (static).
           decode_only: static; the caller promises every q_len is 0 or 1 (see the class).
+
+        The rows keep the caller's packing of tokens (`cu_seqlens_q` from `q_lens`), valid
+        or not, so that no row's tokens are taken for another's. A row the manager cannot
+        place (an id >= `mgr.max_seqs`: no pages, length 0; or more new tokens than its
+        reserved length, whose first tokens then sit at negative positions) writes nothing
+        where it has no slot, its tokens without keys output zeros, and `check()` reports
+        it (`q_within_context`), as it reports a sequence in two rows (`distinct_rows`).
         """
         seq_ids = jnp.asarray(seq_ids, jnp.int32)
         q_lens = jnp.asarray(q_lens, jnp.int32)
@@ -129,21 +140,23 @@ class AttentionMetadata:
                 f"AttentionMetadata.build: {seq_ids.shape=} and {q_lens.shape=}: expected [S]"
             )
         live = seq_ids >= 0
+        known = live & (seq_ids < mgr.max_seqs)  # a manager row
         row = jnp.clip(seq_ids, 0, mgr.max_seqs - 1)
-        context_lens = jnp.where(live, mgr.lengths[row], 0)
-        q_lens = jnp.where(live, jnp.clip(q_lens, 0, context_lens), 0)
+        context_lens = jnp.where(known, mgr.lengths[row], 0)
+        q_lens = jnp.where(live, jnp.maximum(q_lens, 0), 0)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         # Tokens past the bucket are dropped: an overfull step must be caught on the host.
         cu = jnp.minimum(cu, max_tokens)
         meta = cls(
             cu_seqlens_q=cu,
             context_lens=context_lens,
-            block_tables=jnp.where(live[:, None], mgr.block_tables[row], -1),
+            block_tables=jnp.where(known[:, None], mgr.block_tables[row], -1),
             positions=jnp.zeros(max_tokens, jnp.int32),
             slot_mapping=jnp.full(max_tokens, -1, jnp.int32),
             seq_ids=jnp.where(live, seq_ids, -1),
             ring=mgr.ring,
             decode_only=bool(decode_only),
+            page_size=mgr.page_size,
         )
         tok_row, real = meta.token_rows()
         t = jnp.arange(max_tokens, dtype=jnp.int32)
@@ -232,6 +245,7 @@ class AttentionMetadata:
             seq_ids=i32(seq_ids),
             ring=ring,
             decode_only=bool(decode_only),
+            page_size=int(page_size),
         )
 
     # ------------------------------------------------------------------ checks
@@ -243,6 +257,7 @@ class AttentionMetadata:
         q_within_context: `0 <= q_len[s] <= context_lens[s]`.
         positions_match: every real token's position is `context_lens - q_len + i`.
         decode_only_rows: with `decode_only`, no row has more than one new token.
+        distinct_rows: no sequence id in two rows (their tokens would share slots).
         """
         cu, q_lens = self.cu_seqlens_q, self.q_lens
         tok_row, real = self.token_rows()
@@ -253,6 +268,12 @@ class AttentionMetadata:
             q_within_context=jnp.all((q_lens >= 0) & (q_lens <= self.context_lens)),
             positions_match=jnp.all(jnp.where(real, self.positions == expect, True)),
             decode_only_rows=jnp.all(q_lens <= 1) | (not self.decode_only),
+            distinct_rows=self._distinct_rows(),
         )
         checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
         return checks
+
+    def _distinct_rows(self) -> jax.Array:
+        ids = self.seq_ids
+        same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+        return ~jnp.any(same & ~jnp.eye(ids.shape[0], dtype=bool))

@@ -103,6 +103,11 @@ def _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias):
     if k.shape[0] != num_tokens:
         raise ValueError(f"{q.shape=} and {k.shape=}: q and k/v need one token count T")
     validation.check_cache(q, cache, k=k)
+    if meta.page_size is not None and meta.page_size != cache.page_size:
+        raise ValueError(
+            f"meta.page_size={meta.page_size}, cache.page_size={cache.page_size}: the plan's "
+            "slots are pages of the manager's size, which must be the cache's"
+        )
     S, M = meta.max_seqs, meta.max_pages
     for name, x, want in (
         ("meta.positions", meta.positions, (num_tokens,)),

@@ -299,11 +299,12 @@ def test_copy_on_write_beams_diverge(quant):
                 np.testing.assert_allclose(got[beam, 6], new[beam], atol=0.05, rtol=0.02)
 
 
-def test_copy_pages_skips_padding_and_reads_before_writing():
+def test_copy_pages_skips_padding_and_pages_past_the_pool_and_reads_before_writing():
     rng = util.rng_for("copy_pages")
     pools = [util.randn(rng, (5, 2, 4, 8)) for _ in range(2)]
     cache = jaxattn.PagedKVCache(*pools)
-    out = jaxattn.copy_pages(cache, jnp.array([0, 1, -1, 3]), jnp.array([1, 0, 4, -1]))
+    src, dst = jnp.array([0, 1, -1, 3, 7, 2]), jnp.array([1, 0, 4, -1, 2, 5])
+    out = jaxattn.copy_pages(cache, src, dst)  # pairs 2-5: a page < 0 or past the pool
     for got, pool in zip((out.k_pages, out.v_pages), pools):
         np.testing.assert_array_equal(got, np.asarray(pool)[[1, 0, 2, 3, 4]])  # a swap
     with pytest.raises(ValueError, match="copy_pages"):

@@ -223,6 +223,17 @@ def test_create_rejects_zero_sizes(name):
         PagedKVCache.create(**sizes)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int32])
+def test_unquantized_pools_hold_floats(dtype):
+    """Integer pools without scales would truncate every value written to them."""
+    with pytest.raises(ValueError, match="quant=KVQuant"):
+        PagedKVCache.create(N, P, HKV, D, dtype)
+    pool = jnp.zeros((N, HKV, P, D), dtype)
+    with pytest.raises(ValueError, match="k_pages.dtype"):
+        jaxattn.write_kv(PagedKVCache(pool, pool), jnp.ones((1, HKV, D)), jnp.ones((1, HKV, D)),
+                         jnp.array([0]))  # fmt: skip
+
+
 def test_gather_kv_past_table_capacity_is_zero():
     """Positions beyond max_pages * P come back zero, not a re-read of the last page."""
     cache = jaxattn.PagedKVCache(

@@ -747,6 +747,71 @@ def test_build_equals_from_lists(seed):
     np.testing.assert_array_equal(np.asarray(got.slot_mapping), np.asarray(slots))
 
 
+@impls
+def test_build_keeps_the_callers_packing_for_rows_it_cannot_place(impl):
+    """Rows the manager cannot place keep their tokens: a row with an id past max_seqs, and
+    one with more new tokens than it reserved. Their tokens write only into their own pages
+    (nothing without a slot), those that see no key output zeros, the valid row behind
+    them keeps its own tokens (numpy oracle over its keys), and check() reports the plan."""
+    rng = util.rng_for("unplaced", impl)
+    mgr = jaxattn.KVCacheManager.create(8, P, 3, 3)
+    mgr, ok = mgr.reserve(jnp.array([0, 1]), jnp.array([2, 6]))  # row 0 asks for 3 below
+    assert bool(ok)
+    cache = jaxattn.PagedKVCache.create(8, P, 1, D, jnp.float32)
+    k_hist, v_hist = (rng.standard_normal((5, 1, D)).astype(np.float32) for _ in range(2))
+    slots = mgr.slot_mapping(jnp.full(5, 1), jnp.arange(5))  # seq 1's first 5 tokens
+    cache = jaxattn.write_kv(cache, jnp.asarray(k_hist), jnp.asarray(v_hist), slots)
+    # Rows: seq 0 with 3 tokens (2 reserved), seq 7 (max_seqs 3) with 2, seq 1 with 1.
+    meta = jaxattn.AttentionMetadata.build(mgr, jnp.array([0, 7, 1]), jnp.array([3, 2, 1]), 8)
+    assert np.asarray(meta.cu_seqlens_q).tolist() == [0, 3, 5, 6]
+    assert np.asarray(meta.positions).tolist()[:6] == [-1, 0, 1, -2, -1, 5]
+    checks = meta.check()
+    assert not bool(checks["q_within_context"]) and not bool(checks["ok"])
+    q = rng.standard_normal((8, 1, D)).astype(np.float32)
+    k, v = (rng.standard_normal((8, 1, D)).astype(np.float32) for _ in range(2))
+    out, new = jaxattn.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache,
+                                       meta, implementation=impl)  # fmt: skip
+    out = util.f64(out)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_array_equal(out[[0, 3, 4]], 0.0)  # position -1; no pages at all
+    keys = np.concatenate([k_hist[:, 0], k[5:6, 0]]).astype(np.float64)
+    values = np.concatenate([v_hist[:, 0], v[5:6, 0]]).astype(np.float64)
+    logits = keys @ q[5, 0].astype(np.float64) / np.sqrt(D)
+    weights = np.exp(logits - logits.max())
+    np.testing.assert_allclose(out[5, 0], weights @ values / weights.sum(), atol=1e-4, rtol=1e-4)
+    # The cache changes at the plan's slots only, each in its own row's pages.
+    written = np.asarray(meta.slot_mapping)
+    assert written.tolist()[:6] == [-1, 0, 1, -1, -1, int(slots[-1]) + 1]
+    tables = np.asarray(meta.block_tables)
+    for t, row in ((1, 0), (2, 0), (5, 2)):
+        assert written[t] // P in tables[row]
+    before, after = (np.asarray(c.k_pages)[:, 0].reshape(-1, D) for c in (cache, new))
+    untouched = np.setdiff1d(np.arange(before.shape[0]), written[written >= 0])
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+
+
+def test_check_flags_a_sequence_in_two_rows():
+    mgr = jaxattn.KVCacheManager.create(8, P, 3, 3)
+    mgr, _ = mgr.reserve(jnp.array([0, 2]), jnp.array([6, 3]))
+    meta = jaxattn.AttentionMetadata.build(mgr, jnp.array([0, 0, -1]), jnp.array([1, 1, 0]), 4)
+    assert not bool(meta.check()["distinct_rows"]) and not bool(meta.check()["ok"])
+    meta = jaxattn.AttentionMetadata.build(mgr, jnp.array([0, 2, -1]), jnp.array([1, 1, 0]), 4)
+    assert bool(meta.check()["ok"])
+
+
+def test_plan_of_another_page_size_is_rejected():
+    """A plan's slots are pages of its manager's size; a cache of another size would take
+    them for other pages (other sequences')."""
+    mgr = jaxattn.KVCacheManager.create(4, P, 2, 2)
+    mgr, _ = mgr.reserve(jnp.array([0, 1]), jnp.array([P, 1]))
+    meta = jaxattn.AttentionMetadata.build(mgr, jnp.array([0, 1]), jnp.array([P, 1]), 8)
+    assert meta.page_size == P
+    cache = jaxattn.PagedKVCache.create(4, 2 * P, 1, D, jnp.float32)
+    x = jnp.ones((8, 1, D), jnp.float32)
+    with pytest.raises(ValueError, match="page_size"):
+        jaxattn.paged_attention(x, x, x, cache, meta, implementation="xla")
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
