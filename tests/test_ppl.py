@@ -389,6 +389,13 @@ ERRORS = [
     ("cachestarts_rank_mode1", 0, lambda c: dict(cache_mode=1), r"cachestarts"),
     # quant_bit 4 stores head_dim // 2 bytes a channel row: an int8-shaped cache is wrong
     ("int4_cache_width", 0, lambda c: dict(quant_bit=4), r"cache"),
+    # float offsets would be truncated to other rows
+    ("cachestarts_float", 0, lambda c: dict(arg_cachestarts=S(c.cachestarts.shape, np.float32)),
+     r"cachestarts"),
+    ("decoding_batches_float", 0, lambda c: dict(arg_decoding_batches=S((), np.float32)),
+     r"decoding_batches"),
+    ("decoding_batches_vector", 0, lambda c: dict(arg_decoding_batches=S((2,), np.int32)),
+     r"decoding_batches"),
 ]  # fmt: skip
 
 
@@ -447,6 +454,28 @@ def test_check_inputs_rejects_positions_past_the_cache():
     case.cachestarts[2] += 1
     with pytest.raises(ValueError, match=r"start_pos|cachestarts"):
         check_inputs(case)
+
+
+def test_check_inputs_rejects_start_pos_other_than_the_cached_keys():
+    """The keys are cat(past, current), the past the start_pos cached tokens: kvlen =
+    start_pos + seqlen; another start_pos would write the current tokens elsewhere than
+    the keys they are read as."""
+    case = case_for("check", cache_mode=0)
+    case.start_pos[1] -= 1
+    with pytest.raises(ValueError, match=re.escape("start_pos + seqlen != kvlen in batches [1]")):
+        check_inputs(case)
+
+
+@pytest.mark.parametrize("cache_mode", [0, 1])
+def test_check_inputs_sees_int64_offsets_before_they_wrap(cache_mode):
+    """int64 offsets (the definition's type) past int32 would wrap when the op takes them as
+    int32 (here back onto a valid row): check_inputs looks at them as given."""
+    case = case_for("check", cache_mode=cache_mode)
+    args = list(case.args())
+    args = [x if i in (8, 9) or x is None else jnp.asarray(x) for i, x in enumerate(args)]
+    args[5] = case.cachestarts.astype(np.int64) + 2**32
+    with pytest.raises(ValueError, match=r"cachestarts holds values outside int32"):
+        ppl.check_inputs(*args, **case.kw)
 
 
 def test_messages_carry_the_values():

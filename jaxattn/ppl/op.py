@@ -95,11 +95,13 @@ def multi_head_cache_attention(
         token rows) or `[B, MaxP]` (cache_mode 1: the token offsets of its pages of
         `page_size` tokens).
       start_pos `[B]`: the sequence position of the first current token: current token j
-        is stored at position `start_pos[b] + j` (with `start_pos = kvlen - seqlen` the
-        keys are exactly cat(past, current)).
-      decoding_batches: the first batches are decoding: never causal-masked (may be
-        traced). max_seqlen, max_kvlen: static ints >= every seqlen / kvlen (shape buckets
-        for the kernels' tilings and the "xla" path).
+        is stored at position `start_pos[b] + j`. The keys are cat(past, current), the
+        past being the `start_pos` cached tokens: `kvlen = start_pos + seqlen`
+        (`check_inputs` raises otherwise).
+      decoding_batches: an int scalar, the first batches are decoding: never
+        causal-masked (may be traced).
+      max_seqlen, max_kvlen: static ints >= every seqlen / kvlen (shape buckets for the
+        kernels' tilings and the "xla" path).
       cache, scale: as `cache_layout` says (`jaxattn.ppl.cache`); scale float16 / float32
         with `head_dim // quant_group` groups, required iff `quant_bit` (8: int8 cache;
         4: uint8 cache of head_dim / 2 bytes, two codes a byte).
@@ -133,6 +135,12 @@ def multi_head_cache_attention(
         quant_bit, quant_group, cache_mode, cache_layout, page_size, is_causal, is_alibi,
         max_seqlen, max_kvlen,
     )  # fmt: skip
+    if jnp.ndim(decoding_batches) or not jnp.issubdtype(jnp.result_type(decoding_batches),
+                                                        jnp.integer):  # fmt: skip
+        raise ValueError(
+            f"multi_head_cache_attention: decoding_batches={decoding_batches!r}: expected an "
+            "int scalar"
+        )
     ints = (seqstarts, kvstarts, cachestarts, start_pos, decoding_batches)
     seqstarts, kvstarts, cachestarts, start_pos, decoding_batches = (
         jnp.asarray(x).astype(jnp.int32) for x in ints
@@ -204,8 +212,11 @@ def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
                        ("start_pos", start_pos, batch)):  # fmt: skip
         if jnp.ndim(x) != 1 or x.shape[0] != n or n < 1 or not jnp.issubdtype(x.dtype, jnp.integer):
             fail(f"{name}.shape={jnp.shape(x)}: expected an int vector [{n}] (B={batch})")
-    if cachestarts.shape[:1] != (batch,):
-        fail(f"cachestarts.shape={cachestarts.shape}: expected B={batch} rows")
+    if cachestarts.shape[:1] != (batch,) or not jnp.issubdtype(cachestarts.dtype, jnp.integer):
+        fail(
+            f"cachestarts.shape={cachestarts.shape} {cachestarts.dtype}: expected int, "
+            f"B={batch} rows"
+        )
     spec = PPLCache(num_layer, layer_idx, num_kv_heads, head_dim, quant_bit, quant_group,
                     cache_mode, cache_layout, page_size)  # fmt: skip
     try:
@@ -363,14 +374,27 @@ def check_inputs(*args, **kwargs) -> None:
     """The data-dependent preconditions of `multi_head_cache_attention` on concrete
     inputs (its arguments, as passed to it; call it outside `jit`): ValueError naming the
     argument and the offending batch, after the op's own trace-time checks. Checks:
+    index inputs within int32 (int64 arrays as given, before the op takes them as int32);
     seqstarts and kvstarts start at 0 (seqstarts) and never decrease; seqlen <= kvlen,
     seqlen <= max_seqlen, kvlen <= max_kvlen; seqstarts[B] <= T; 0 <= decoding_batches <=
-    B; start_pos >= 0; the written positions `start_pos + seqlen` and the read ones
-    `kvlen` inside the page table (mode 1: MaxP * page_size) and, with their rows, inside
-    the cache; the mask wide enough."""
+    B; start_pos >= 0 and `start_pos + seqlen == kvlen` (the keys are the start_pos cached
+    ones and the current ones); the positions `[0, kvlen)` inside the page table (mode
+    1: MaxP * page_size) and, with their rows, inside the cache; the mask wide enough."""
     bound = inspect.signature(multi_head_cache_attention).bind(*args, **kwargs)
     bound.apply_defaults()  # the op's own defaults
     given = dict(bound.arguments)
+    int32 = np.iinfo(np.int32)
+    for name in ("seqstarts", "kvstarts", "cachestarts", "start_pos", "decoding_batches"):
+        raw = np.asarray(given[name])
+        if (
+            jnp.issubdtype(raw.dtype, jnp.integer)
+            and raw.size
+            and (raw.min() < int32.min or raw.max() > int32.max)
+        ):
+            raise ValueError(
+                f"multi_head_cache_attention inputs: {name} holds values outside int32 "
+                f"({raw.min()}..{raw.max()}); offsets must stay below 2**31"
+            )
     for name in ("seqstarts", "kvstarts", "cachestarts", "start_pos"):
         given[name] = jnp.asarray(given[name])
     opts = _static(**{name: given[name] for name in inspect.signature(_static).parameters})
@@ -395,6 +419,7 @@ def check_inputs(*args, **kwargs) -> None:
         (f"seqlen > max_seqlen={max_seqlen}", seqlen > max_seqlen),
         (f"kvlen > max_kvlen={max_kvlen}", kvlen > max_kvlen),
         ("start_pos < 0", start_pos < 0),
+        ("start_pos + seqlen != kvlen", start_pos + seqlen != kvlen),
     ):
         if np.any(bad):
             fail(f"{what} in batches {np.flatnonzero(bad).tolist()}")
@@ -404,13 +429,13 @@ def check_inputs(*args, **kwargs) -> None:
         fail(f"decoding_batches={int(decoding_batches)} must be in [0, B={num_batch}]")
     spec = opts.cache
     max_t = spec.max_tokens(cache)
-    ends = np.maximum(start_pos + seqlen, kvlen)  # positions written and read: [0, end)
+    ends = kvlen  # positions written and read: [0, kvlen)
     if spec.cache_mode == 1:
         capacity = cachestarts.shape[1] * spec.page_size
         bad = ends > capacity
         if np.any(bad):
             fail(
-                f"start_pos + seqlen or kvlen beyond the page table (MaxP * page_size = "
+                f"kvlen beyond the page table (MaxP * page_size = "
                 f"{capacity}) in batches {np.flatnonzero(bad).tolist()}"
             )
         used = (np.arange(cachestarts.shape[1])[None, :] * spec.page_size) < ends[:, None]
