@@ -14,7 +14,9 @@ T = TypeVar("T")
 
 
 def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple[str, ...]:
-    """None -> pallas on a GPU (xla as fallback), xla elsewhere; a name or a list as given."""
+    """None -> pallas on a GPU (xla as fallback), xla elsewhere; a name or a list as given.
+    Pallas needs jax's 64-bit mode off: a ValueError says so rather than a kernel's
+    TypeError."""
     if implementation is None:
         return ("xla",) if jax.default_backend() != "gpu" else ("pallas", "xla")
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
@@ -23,7 +25,17 @@ def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple
             raise ValueError(f"{implementation=}: each name must be one of {IMPLEMENTATIONS}")
     if not names:
         raise ValueError(f"{implementation=}: empty")
+    if "pallas" in names and _x64():
+        raise ValueError(
+            f"{implementation=}: the Pallas kernels index in int32 and do not run with "
+            "jax_enable_x64 on; turn it off, or pass implementation='xla'"
+        )
     return names
+
+
+def _x64() -> bool:
+    """jax's 64-bit mode is on (the flag, or `jax.experimental.enable_x64()`)."""
+    return jax.dtypes.canonicalize_dtype(jax.numpy.int64) == jax.numpy.int64
 
 
 def run_first(implementation: str | Sequence[str] | None, run: Callable[[str], T]) -> T:

@@ -192,3 +192,19 @@ def test_heuristic_config_is_valid(dtype):
         for head_dim in (32, 40, 64, 80, 96, 128, 256):
             cfg = jaxattn.FlashPrefillConfig.heuristic(q_len, q_len, head_dim, jnp.dtype(dtype))
             assert isinstance(cfg, jaxattn.FlashPrefillConfig)
+
+
+def test_pallas_asks_for_x64_off():
+    """The kernels index in int32: with jax's 64-bit mode on, asking for them is a clear
+    error (it was a TypeError from inside a kernel); the XLA path runs."""
+    q = jax.random.normal(jax.random.key(0), (1, 128, 2, 32), jnp.float32)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        for implementation in ("pallas", ["pallas", "xla"]):
+            with pytest.raises(ValueError, match="jax_enable_x64"):
+                jaxattn.attention(q, q, q, causal=True, implementation=implementation)
+        out = jaxattn.attention(q, q, q, causal=True, implementation="xla")
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    want = jaxattn.attention(q, q, q, causal=True, implementation="xla")
+    assert jnp.allclose(out, want, atol=1e-5)
