@@ -150,11 +150,12 @@ def _has_ring(static: _Static, qkv, lengths, extras, g_lse=None) -> bool:
 
 
 def _ring_forward(static: _Static, config):
-    def on(axes):
+    def on(axes, mesh_axes):
         def run(q, k, v, *unused):
             return ring.ring_forward(
-                q, k, v, axis_name=axes, causal=static.causal, scale=static.scale, config=config
-            )
+                q, k, v, axis_name=axes, causal=static.causal, scale=static.scale,
+                config=config, mesh_axes=mesh_axes,
+            )  # fmt: skip
 
         return run
 
@@ -162,11 +163,11 @@ def _ring_forward(static: _Static, config):
 
 
 def _ring_backward(static: _Static, config):
-    def on(axes):
+    def on(axes, mesh_axes):
         def run(q, k, v, out, lse, g_out, *unused):
             grads = ring.ring_backward(
                 q, k, v, out, lse, g_out, axis_name=axes, causal=static.causal,
-                scale=static.scale, config=config,
+                scale=static.scale, config=config, mesh_axes=mesh_axes,
             )  # fmt: skip
             return (*grads, None, None, None)
 

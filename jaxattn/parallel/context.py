@@ -39,7 +39,8 @@ def choose_method(
     """The method, "ring" or "ulysses", for local shapes q `[B, Tl, Hq, D]` and k
     `[B, Tl_k, Hkv, D]` on n devices. The rule, in order:
 
-    1. `options` (attention options other than causal / scale) need "ulysses" (and raise
+    1. `options` (attention options other than causal / scale), and causal attention
+       with Tl != Tl_k (which the ring refuses), need "ulysses" (and raise
        `kv_heads_on_the_wire`'s ValueError if the heads do not split).
     2. Heads that do not split (`Hq % n`, or neither of Hkv and n dividing the other):
        "ring".
@@ -54,13 +55,14 @@ def choose_method(
     """
     _, tq, num_q_heads, head_dim = q_shape
     tk, num_kv_heads = k_shape[1], k_shape[2]
+    needs_ulysses = bool(options) or (causal and tq != tk)
     try:
         wire_kv = kv_heads_on_the_wire(num_q_heads, num_kv_heads, n)
     except ValueError:
-        if options:
+        if needs_ulysses:
             raise
         return "ring"
-    if options:
+    if needs_ulysses:
         return "ulysses"
     step_flops = 4 * tq * tk * num_q_heads * head_dim / (2 if causal else 1)
     ring_bytes = 2 * tk * num_kv_heads * head_dim * itemsize

@@ -88,6 +88,7 @@ class _Plan:
     num_heads: int  # Hq
     num_kv_heads: int  # Hkv
     sequence: str | tuple[str, ...] | None = None  # a ring over these axes
+    mesh_axes: tuple[str, ...] = ()  # the mesh's axis names in order (the ring's shifts)
 
     def axis(self, role, size: int):
         if size == 1:
@@ -128,8 +129,9 @@ def run_sharded(
       roles: per operand, the role of each axis (`BATCH`, `HEADS`, `KV_HEADS` or None).
       outs: per output, its roles and whether it is a partial sum (`Out`).
       name: the op's name, for messages.
-      sequence_fn: None, or `sequence_fn(axes)` -> a function like `fn` run on shards of
-        a sequence split over the mesh axes `axes` (a ring; see `SEQUENCE`).
+      sequence_fn: None, or `sequence_fn(axes, mesh_axes)` -> a function like `fn` run on
+        shards of a sequence split over the mesh axes `axes` (a ring; see `SEQUENCE`) of a
+        mesh whose axis names are `mesh_axes` in order.
     """
     present = [i for i, a in enumerate(args) if a is not None]
     arrays = [args[i] for i in present]
@@ -167,7 +169,7 @@ def run_sharded(
         outs=tuple(outs[i] for i in live),
         out_avals=tuple(out_avals[i] for i in live),
         name=name,
-        sequence_fn=None if sequence_fn is None else lambda axes: live_only(sequence_fn(axes)),
+        sequence_fn=None if sequence_fn is None else lambda *on: live_only(sequence_fn(*on)),
     )
     explicit = mode == "explicit"
     results = _explicit_call(op, arrays) if explicit else _auto_call(*arrays, op=op)
@@ -216,7 +218,7 @@ class _Op:
     def local(self, plan: _Plan) -> Callable:
         """The shard-local function: kv heads sliced, partial sums summed."""
 
-        fn = self.fn if plan.sequence is None else self.sequence_fn(plan.sequence)
+        fn = self.fn if plan.sequence is None else self.sequence_fn(plan.sequence, plan.mesh_axes)
 
         def local(*shards):
             shards = [_kv_slice(plan, x, r) for x, r in zip(shards, self.roles, strict=True)]
@@ -230,8 +232,13 @@ class _Op:
 
 
 def _explicit_call(op: _Op, arrays):
-    """Shardings in the types: a shard_map planned from them at trace time."""
-    mesh = jax.typeof(arrays[0]).sharding.mesh
+    """Shardings in the types: a shard_map planned from them at trace time, on the mesh of
+    the operands placed on one (an operand never placed, e.g. a fresh q beside a sharded
+    cache, has none: it is resharded onto it)."""
+    mesh = next(
+        (m for m in (jax.typeof(a).sharding.mesh for a in arrays) if not m.empty),
+        jax.sharding.get_abstract_mesh(),
+    )
     plan = op.plan(arrays, [jax.typeof(a).sharding.spec for a in arrays], mesh)
     specs = op.in_specs(plan, arrays)
     arrays = [
@@ -409,7 +416,7 @@ def _make_plan(name, arrays, arr_roles, specs, mesh, ring: bool = False) -> _Pla
             if group % (num_heads // n):
                 _warn(name, f"{num_kv} kv heads of {num_heads} do not split over {n} shards")
                 heads, n, kv_split = None, 1, True
-    return _Plan(batch, heads, n, kv_split, num_heads, num_kv, sequence)
+    return _Plan(batch, heads, n, kv_split, num_heads, num_kv, sequence, tuple(mesh.axis_names))
 
 
 @functools.cache

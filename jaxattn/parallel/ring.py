@@ -122,6 +122,8 @@ class _Ring:
     layout: str
     impl: str
     config: FlashPrefillConfig | None
+    # The mesh's axis names in order, for `_ppermute_numbers`; None: the abstract mesh's.
+    mesh_axes: tuple[str, ...] | None = None
 
 
 def ring_attention(
@@ -205,9 +207,36 @@ def axis_size(axis_name) -> int:
 
 
 def _shift(x, ring: _Ring, n: int, step: int = 1):
-    """Every device's `x` (a pytree) to the device `step` further round the ring."""
-    perm = [(d, (d + step) % n) for d in range(n)]
+    """Every device's `x` (a pytree) to the device `step` further round the ring: the ring
+    is `lax.axis_index`'s order (the axes as listed), and `ppermute` numbers the devices
+    of several axes in mesh order (`_ppermute_numbers`)."""
+    number = _ppermute_numbers(ring.axis_name, n, ring.mesh_axes)
+    perm = [(number[d], number[(d + step) % n]) for d in range(n)]
     return jax.tree.map(lambda a: lax.ppermute(a, ring.axis_name, perm), x)
+
+
+def _ppermute_numbers(axis_name, n: int, mesh_axes=None) -> list[int]:
+    """`ppermute`'s number of the device at each `lax.axis_index(axis_name)`, 0..n-1. They
+    differ when `axis_name` lists several axes out of the mesh's order: axis_index counts
+    in the listed order, ppermute in the mesh's (a ("model", "data") split of a ("data",
+    "model") mesh otherwise shifted blocks to the wrong devices). `mesh_axes`: the mesh's
+    axis names in order (None: the abstract mesh's, which a `jax.shard_map` sets)."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    mesh_names = mesh_axes or tuple(jax.sharding.get_abstract_mesh().axis_names)
+    in_mesh_order = tuple(a for a in mesh_names if a in axes)
+    if len(axes) < 2 or in_mesh_order == axes or set(in_mesh_order) != set(axes):
+        return list(range(n))
+    sizes = {a: axis_size(a) for a in axes}
+    numbers = []
+    for d in range(n):
+        coords, rest = {}, d
+        for a in reversed(axes):  # the listed order, the last axis fastest
+            coords[a], rest = rest % sizes[a], rest // sizes[a]
+        number = 0
+        for a in in_mesh_order:
+            number = number * sizes[a] + coords[a]
+        numbers.append(number)
+    return numbers
 
 
 # ---------------------------------------------------------------- one block pair
@@ -416,15 +445,18 @@ def _ring_bwd(ring: _Ring, residuals, g):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_forward(q, k, v, *, axis_name, causal: bool, scale: float, config=None):
+def ring_forward(q, k, v, *, axis_name, causal: bool, scale: float, config=None, mesh_axes=None):
     """The forward ring on the flash kernels, for `jaxattn.attention` on a sequence split
-    over `axis_name` (contiguous layout): `(out, lse)` with lse the merged float32
-    `[B, Hq, Tq]`. No custom VJP: the caller's backward calls `ring_backward`."""
-    ring = _Ring(axis_name, causal, scale, "contiguous", "pallas", config)
+    over `axis_name` (contiguous layout) of a mesh with axes `mesh_axes` (in order; None:
+    the abstract mesh's): `(out, lse)` with lse the merged float32 `[B, Hq, Tq]`. No custom
+    VJP: the caller's backward calls `ring_backward`."""
+    ring = _Ring(axis_name, causal, scale, "contiguous", "pallas", config, mesh_axes)
     return _forward(ring, q, k, v)
 
 
-def ring_backward(q, k, v, out, lse, g, *, axis_name, causal: bool, scale: float, config=None):
+def ring_backward(
+    q, k, v, out, lse, g, *, axis_name, causal: bool, scale: float, config=None, mesh_axes=None
+):
     """(dq, dk, dv) of `ring_forward`'s output for its cotangent `g` (the backward ring)."""
-    ring = _Ring(axis_name, causal, scale, "contiguous", "pallas", config)
+    ring = _Ring(axis_name, causal, scale, "contiguous", "pallas", config, mesh_axes)
     return _backward(ring, q, k, v, out, lse, g)
