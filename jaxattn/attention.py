@@ -546,8 +546,9 @@ def attention(
       causal: key j is visible to a query at position p only if `j <= p`. Queries are
         bottom-right aligned: query i of sequence b sits at `kv_len[b] - q_len[b] + i`.
       q_lengths, kv_lengths: int `[B]`, valid tokens per sequence (default: all), at most
-        Tq and Tk (larger counts are not checked on device and read nothing past the
-        arrays). Query rows at or past `q_lengths[b]` are padding and output zeros.
+        Tq and Tk (counts are clipped to [0, Tq] and [0, Tk]: a larger one never reads
+        the next sequence's rows). Query rows at or past `q_lengths[b]` are padding and
+        output zeros.
       window: sliding window W: keys `j > p - W` (the last W, the query's own included).
       sink_tokens: keys `j < sink_tokens` stay visible whatever the window (StreamingLLM).
       alibi_slopes: float `[Hq]`; adds `-slope[h] * |p - j|` (see `jaxattn.alibi_slopes`).
@@ -608,7 +609,10 @@ def attention(
     )
     validation.check_int_vector("q_lengths", q_lengths, q.shape[0])
     validation.check_int_vector("kv_lengths", kv_lengths, q.shape[0])
-    lengths = (q_lengths, kv_lengths)
+    lengths = tuple(
+        None if n is None else jnp.clip(n, 0, rows)
+        for n, rows in ((q_lengths, q.shape[1]), (kv_lengths, k.shape[1]))
+    )
     return _run(implementation, static, config, (q, k, v), lengths, extras, out_scale)
 
 

@@ -45,8 +45,8 @@ def _check(
     validation.check_cache(q, cache)
     if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype.itemsize < 2:
         raise ValueError(f"{q.dtype=}: expected float32, bfloat16 or float16")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"{block_tables.shape=}: expected [B={batch}, max_pages_per_seq]")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(f"{block_tables.shape=}: expected [B={batch}, max_pages_per_seq >= 1]")
     if not np.issubdtype(block_tables.dtype, np.integer):
         raise ValueError(f"{block_tables.dtype=}: expected an integer dtype")
     validation.check_int_vector("context_lens", context_lens, batch)

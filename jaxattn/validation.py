@@ -97,13 +97,18 @@ def broadcast_operand(name: str, x, target: tuple[int, ...], *, boolean: bool):
     return x.reshape((1,) * (len(target) - x.ndim) + x.shape)
 
 
+# Windows and sink counts are at most this: positions are int32, and `p - window` must
+# not wrap around for any position p > -2**30 (a window past every key is None's).
+MAX_POSITIONS = 2**30
+
+
 def check_options(
     *, num_q_heads, window, sink_tokens, alibi_slopes, relative_bias, soft_cap, scale
 ) -> None:
-    if window is not None and (int(window) != window or window < 1):
-        _fail(f"{window=}: expected a positive integer or None")
-    if int(sink_tokens) != sink_tokens or sink_tokens < 0:
-        _fail(f"{sink_tokens=}: expected a non-negative integer")
+    if window is not None and (int(window) != window or not 1 <= window <= MAX_POSITIONS):
+        _fail(f"{window=}: expected an integer in [1, 2**30] or None (no window)")
+    if int(sink_tokens) != sink_tokens or not 0 <= sink_tokens <= MAX_POSITIONS:
+        _fail(f"{sink_tokens=}: expected an integer in [0, 2**30]")
     if soft_cap is not None and not (soft_cap > 0 and np.isfinite(soft_cap)):
         _fail(f"{soft_cap=}: expected a positive finite number or None")
     if scale is not None and not np.isfinite(scale):

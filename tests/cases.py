@@ -105,6 +105,8 @@ DENSE = [
     Dense(name="bias_1HTqTk", bias=(1, "H", "Tq", "Tk")),
     Dense(name="bias_TqTk", bias=("Tq", "Tk"), tk=45),
     Dense(name="bias_neg_inf", bias=BHQK, neg_inf_bias=True),
+    # the cap would make a -inf bias finite: it still hides its key
+    Dense(name="bias_neg_inf_soft_cap", bias=BHQK, neg_inf_bias=True, soft_cap=2.0),
     Dense(name="mask_full", mask=BHQK),
     Dense(name="mask_B11Tk", mask=("B", 1, 1, "Tk")),
     Dense(name="mask_1HTqTk_causal", mask=(1, "H", "Tq", "Tk"), causal=True),

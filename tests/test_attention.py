@@ -226,6 +226,20 @@ def test_vmap_dense(impl):
 
 
 @impls
+def test_lengths_past_the_arrays_are_clipped(impl):
+    """kv_lengths > Tk and q_lengths > Tq count as Tk and Tq: a sequence never reads the
+    next one's rows (the dense kernel views k as [B * Tk])."""
+    rng = util.rng_for("lengths_past", impl)
+    q, k, v = (util.randn(rng, (2, 16, 2, 32)) for _ in range(3))
+    opts = dict(implementation=impl, config=util.CPU_CONFIG if impl == "pallas" else None)
+    run = lambda k, **n: np.asarray(jaxattn.attention(q, k, v, causal=True, **n, **opts))  # noqa: E731
+    over = dict(q_lengths=jnp.array([40, 16]), kv_lengths=jnp.array([24, 16]))
+    got = run(k, **over)
+    np.testing.assert_array_equal(got[0], run(k.at[1].add(3.0), **over)[0])
+    np.testing.assert_allclose(got, run(k), atol=1e-6)
+
+
+@impls
 def test_eager(impl):
     """Outside jit (the other tests jit their calls): every option still works."""
     case = Packed(

@@ -693,6 +693,7 @@ BAD = {
     "heads": (lambda q, c, t, n: (q[:, :3], c, t, n), r"multiple of num_kv_heads"),
     "dtype": (lambda q, c, t, n: (q.astype(jnp.bfloat16), c, t, n), r"dtype"),
     "tables": (lambda q, c, t, n: (q, c, t[:1], n), r"block_tables\.shape"),
+    "no_pages": (lambda q, c, t, n: (q, c, t[:, :0], n * 0), r"block_tables\.shape"),
     "lengths": (lambda q, c, t, n: (q, c, t, n[:1]), r"context_lens\.shape"),
 }
 

@@ -381,6 +381,9 @@ CASES = [
     # all False), full bias with -inf entries (row 2 all -inf), a sequence with kv_len 0.
     Dense(name="kg_cross_mha_t5_mask_bias_full_kv0", tq=19, tk=35, hkv=4, rel=(16, 40, True),
           mask=BHQK, bias=BHQK, neg_inf_bias=True, kv_lengths=(35, 0)),
+    # -inf bias entries (row 2 all -inf) under a soft-cap: they still hide their keys.
+    Dense(name="kg_bias_neg_inf_soft_cap", tq=19, tk=35, bias=BHQK, neg_inf_bias=True,
+          soft_cap=3.0),
     # MQA, causal with q_lengths, unidirectional T5, bias [1, 1, Tq, Tk]; out only.
     Dense(name="kg_mqa_causal_t5_uni_bias_11_out_only", tq=29, hkv=1, causal=True,
           q_lengths=(29, 17), rel=(16, 64, False), bias=(1, 1, "Tq", "Tk"), return_lse=False),

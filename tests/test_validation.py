@@ -77,6 +77,9 @@ DENSE_ERRORS = [
     ("window_fraction", (Q, KV, KV), dict(window=2.5), r"window=2\.5"),
     ("sinks_negative", (Q, KV, KV), dict(sink_tokens=-1), r"sink_tokens=-1"),
     ("sinks_fraction", (Q, KV, KV), dict(sink_tokens=1.5), r"sink_tokens=1\.5"),
+    # an "unlimited" window would wrap p - window around in int32: None says no window
+    ("window_past_int32", (Q, KV, KV), dict(window=2**31 - 1), r"window=2147483647"),
+    ("sinks_past_int32", (Q, KV, KV), dict(sink_tokens=2**31), r"sink_tokens=2147483648"),
     ("soft_cap_0", (Q, KV, KV), dict(soft_cap=0.0), r"soft_cap=0\.0"),
     ("soft_cap_negative", (Q, KV, KV), dict(soft_cap=-5.0), r"soft_cap=-5\.0"),
     ("soft_cap_nan", (Q, KV, KV), dict(soft_cap=float("nan")), r"soft_cap=nan"),

@@ -86,9 +86,9 @@ class TileLogits:
         else:
             s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
         s = s * qk_scale
-        extra = None
+        extra = bias = None
         if terms.bias is not None:
-            extra = self._tile_of(terms.bias, k0, col_ok, 0.0).astype(jnp.float32)
+            bias = extra = self._tile_of(terms.bias, k0, col_ok, 0.0).astype(jnp.float32)
         if terms.alibi is not None:
             dist = jnp.abs(q_pos[:, None] - cols[None, :]).astype(jnp.float32)
             term = -terms.alibi[self.h] * dist
@@ -104,7 +104,9 @@ class TileLogits:
             s = s + extra * extra_scale
         if params.soft_cap is not None:
             s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
-        if terms.bias is not None:  # A -inf bias masks the key; keep every logit finite.
+            if bias is not None:  # the cap made a -inf bias finite: it still hides the key
+                s = jnp.where(bias == -jnp.inf, MASK_VALUE, s)
+        if bias is not None:  # A -inf bias masks the key; keep every logit finite.
             s = jnp.maximum(s, MASK_VALUE)
         visible = None
         if masked:
