@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
-from jaxattn.quant import KVQuant, dequantize, group_scales, quantize
+from jaxattn.quant import TINY_SCALE, KVQuant, dequantize, group_scales, quantize
 
 __all__ = ["PagedKVCache", "copy_pages", "gather_kv", "write_kv", "write_kv_stored"]
 
@@ -46,8 +46,11 @@ def _tensor_scale(name: str, value) -> jax.Array:
         concrete = float(scale)
     except jax.errors.ConcretizationTypeError:  # traced: checked by whoever made it
         return scale
-    if not 0 < concrete < float("inf"):
-        raise ValueError(f"{name}={concrete}: a scale must be positive and finite")
+    if not TINY_SCALE <= concrete < float("inf"):
+        raise ValueError(
+            f"{name}={concrete}: a scale must be finite and at least TINY_SCALE = 2**-64 "
+            "(below it 1 / scale overflows float32 and zeros quantize to NaN)"
+        )
     return scale
 
 

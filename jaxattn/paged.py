@@ -36,7 +36,7 @@ from jaxattn.dispatch import run_first
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.parallel.partition import HEADS, KV_HEADS, Out, run_sharded
 from jaxattn.positional import RelativeBias
-from jaxattn.rope import RoPE, apply_rope, token_rotations
+from jaxattn.rope import DynamicNTKScaling, RoPE, apply_rope, token_rotations
 from pallas_kernels.common import use_interpret
 from pallas_kernels.flash_prefill import (
     Batch,
@@ -226,9 +226,13 @@ def paged_attention(
 
     def step(impl, q, k, v, cache, meta, alibi_slopes, rel_table, out_scale):
         relative_bias = None if rel_table is None else dataclasses.replace(rel, table=rel_table)
+        # DynamicNTKScaling: each token at its own sequence's length after the step, so
+        # that no row's rotation depends on the other rows of the step.
+        dynamic = rotate and isinstance(rope.scaling, DynamicNTKScaling)
+        seq_len = meta.context_lens[meta.token_rows()[0]] if dynamic else None
         rotations = None
         if impl == "pallas" and on_load:
-            rotations = token_rotations(meta.positions, rope, head_dim)
+            rotations = token_rotations(meta.positions, rope, head_dim, seq_len=seq_len)
         if impl == "pallas" and fused_write:
             out, lse, new_cache = _pallas_fused_write(
                 q, (k, v), cache, meta, options, alibi_slopes, config, out_dtype, out_scale,
@@ -237,9 +241,10 @@ def paged_attention(
             return out, lse, new_cache
         if k is None:  # the fused projection, on a path that reads it split
             q, k, v = split_qkv(q, cache.num_kv_heads)
-        k_in = apply_rope(k, meta.positions, rope) if rotate else k
+        k_in = apply_rope(k, meta.positions, rope, seq_len=seq_len) if rotate else k
         new_cache, k_new, v_new = write_kv_stored(cache, k_in, v, meta.slot_mapping, q.dtype)
-        q_in = apply_rope(q, meta.positions, rope) if rotate and rotations is None else q
+        rotate_q = rotate and rotations is None
+        q_in = apply_rope(q, meta.positions, rope, seq_len=seq_len) if rotate_q else q
         if impl == "xla":
             out, lse = reference.paged_attention_reference(
                 q_in,

@@ -205,7 +205,7 @@ class DynamicNTKScaling:
         length = jnp.maximum(jnp.asarray(seq_len, jnp.float32), context)
         s = self.factor * length / context - (self.factor - 1)
         exponent = (-np.arange(0, dim, 2) / (dim - 2)).astype(np.float32)
-        return jnp.asarray(_default_inv_freq(theta, dim), jnp.float32) * s**exponent
+        return jnp.asarray(_default_inv_freq(theta, dim), jnp.float32) * s[..., None] ** exponent
 
 
 _SCALINGS = (LinearScaling, Llama3Scaling, YarnScaling, DynamicNTKScaling)
@@ -270,11 +270,12 @@ class RoPE:
             return self.scaling.cos_sin_factor
         return 1.0
 
-    def inv_freq(self, head_dim: int, seq_len=None) -> Float[Array, " K"]:
+    def inv_freq(self, head_dim: int, seq_len=None) -> Float[Array, "*N K"]:
         """float32 `[rotary_dim // 2]` inverse frequencies `f[k]`, scaled.
 
-        `seq_len` (int or traced int scalar) is read by DynamicNTKScaling only; None means
-        "within the original context" (no scaling), as in HF at init time.
+        `seq_len` (int, or a traced int array `[*N]`: one length per token or row, giving
+        `[*N, K]`) is read by DynamicNTKScaling only; None means "within the original
+        context" (no scaling), as in HF at init time.
         """
         dim = self.rotary_dim_for(head_dim)
         if isinstance(self.scaling, DynamicNTKScaling):
@@ -333,11 +334,13 @@ def rotation_tables(
     """float32 `(cos, sin)` of each channel's angle at `positions`, attention factor folded
     in; 1 and 0 on pass-through channels. The angles are float32 `pos * f`, as HF's cos/sin
     tables (off by ~2 ulps of pos * f: 1e-2 at 1e5). `seq_len`: DynamicNTKScaling's current
-    length, default `max(positions) + 1`."""
+    length, an int or int array broadcasting against `positions` (each token's sequence
+    length: tokens of sequences of other lengths then rotate apart), default
+    `max(positions) + 1` over all of them (HF's, over its batch)."""
     tables = rope.channel_tables(head_dim)
     if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
         seq_len = jnp.max(positions) + 1
-    freq = rope.inv_freq(head_dim, seq_len)[tables.freq_index]  # [D]
+    freq = rope.inv_freq(head_dim, seq_len)[..., tables.freq_index]  # [*N or 1, D]
     angle = positions[..., None].astype(jnp.float32) * freq
     factor = rope.attention_factor
     cos = jnp.where(tables.rotates, jnp.cos(angle) * factor, 1.0)
@@ -370,7 +373,7 @@ def apply_rope(
     positions: Int[Array, "*#B #T"],
     rope: RoPE,
     *,
-    seq_len: int | Int[Array, ""] | None = None,
+    seq_len: int | Int[Array, "*#B #T"] | None = None,
 ) -> Float[Array, "*B T H D"]:
     """Rotates the channels of `x` by the position of each token (RoFormer, eq. 34).
 
@@ -379,8 +382,10 @@ def apply_rope(
       positions: int `[..., T]` absolute position of each token, broadcast over heads (and
         against x's leading dims); any order, any values below 2**24.
       rope: the static config.
-      seq_len: the current sequence length for DynamicNTKScaling (int or traced int
-        scalar); default `max(positions) + 1` over the whole call. Ignored otherwise.
+      seq_len: the current sequence length for DynamicNTKScaling: an int, or an int array
+        broadcasting against `positions` (each token's or row's own length); default
+        `max(positions) + 1` over the whole call (HF's rule, over its batch). Ignored
+        otherwise.
 
     Returns:
       `x`'s shape and dtype. Computed in float32 with the elementwise form of

@@ -124,8 +124,17 @@ def test_sample_draws_only_inside_the_masks():
     np.testing.assert_allclose(np.bincount(full) / 4000, [0.4, 0.3, 0.2, 0.1], atol=0.03)
 
 
+def test_top_p_one_masks_nothing():
+    """1 is off: a float32 cumsum of 32000 probabilities reaches 1 before the tail, which
+    `before < top_p` then dropped."""
+    logits = 10 * jax.random.normal(jax.random.key(0), (4, 32000))
+    np.testing.assert_array_equal(np.asarray(top_p_mask(logits, jnp.ones(4))), np.asarray(logits))
+
+
 def test_sampling_params_validation():
-    for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+    bad_seeds = (dict(seed=2**31), dict(seed=-1), dict(seed=1.7))  # folded in as an int32
+    for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+                *bad_seeds):  # fmt: skip
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
@@ -275,6 +284,27 @@ def test_sampled_tokens_do_not_depend_on_batching(small_model):
     assert mixed[1] == alone[1]
     assert run([1], [0], temperature=0.0)[1] != alone[1]  # it did sample
     assert_clean_end(engine)
+
+
+def test_dynamic_ntk_tokens_do_not_depend_on_batching():
+    """DynamicNTKScaling rotates each token at its own sequence's length: short requests
+    (below the original context: no scaling) draw the same tokens beside a long one (40
+    tokens: scaled), as alone. (It had taken the longest row's length for the whole step.)"""
+    scaling = jaxattn.DynamicNTKScaling(factor=8.0, original_max_position_embeddings=8)
+    model = Llama(dataclasses.replace(SMALL, rope_scaling=scaling), rngs=nnx.Rngs(0))
+    config = EngineConfig(num_pages=64, page_size=4, max_seqs=4, max_pages_per_seq=16,
+                          token_buckets=(64,))  # fmt: skip
+    texts = prompts((3, 3, 3, 40), SMALL.vocab_size, seed=3)
+
+    def run(order):
+        engine = Engine(model, config, seed=0)
+        requests = [Request(texts[i], 4, sampling=SamplingParams(1.0, seed=i)) for i in order]
+        engine.run(requests, progress=False)
+        return {i: r.output for i, r in zip(order, requests)}
+
+    alone = {i: run([i])[i] for i in range(3)}
+    mixed = run([0, 1, 2, 3])
+    assert all(mixed[i] == alone[i] for i in range(3))
 
 
 def test_pallas_kernels_in_the_loop():

@@ -160,6 +160,24 @@ def test_full_mode_matches_numpy(case):
     np.testing.assert_allclose(got[valid], want[valid], **TOL)
 
 
+def test_dynamic_ntk_full_mode_ignores_the_padding_width():
+    """Full mode's default positions take DynamicNTKScaling's length from q_lengths: the
+    real tokens' logits do not change with the right-padding (it had taken the padded
+    width, 32, for a 6-token sequence)."""
+    scaling = jaxattn.DynamicNTKScaling(factor=8.0, original_max_position_embeddings=8)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
+        num_kv_heads=2, head_dim=8, rope_scaling=scaling,
+    )  # fmt: skip
+    model = Llama(config, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 96, (1, 6)), jnp.int32)
+    n = jnp.asarray([6])
+    with jax.default_matmul_precision("highest"):
+        unpadded = np.asarray(model(tokens, q_lengths=n))
+        padded = np.asarray(model(jnp.pad(tokens, ((0, 0), (0, 26))), q_lengths=n))[:, :6]
+    np.testing.assert_allclose(padded, unpadded, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_qkv_equals_unfused():
     unfused = make_attention(qk_norm=True, qkv_bias=True)
     fused = make_attention(seed=1, fused_qkv=True, qk_norm=True, qkv_bias=True)

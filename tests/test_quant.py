@@ -485,6 +485,8 @@ def test_kvquant_rejects_bad_config(kwargs, match):
         (KVQuant("int8"), 16, dict(k_scale=np.ones(2)), "k_scale: expected a scalar"),
         (KVQuant("int8"), 16, dict(v_scale=0.0), "v_scale=0.0"),
         (KVQuant("int8"), 16, dict(k_scale=float("inf")), "k_scale=inf"),
+        # 1 / scale would overflow float32: zeros would quantize to NaN (FP8 stores it)
+        (KVQuant("float8_e4m3fn"), 16, dict(k_scale=1e-39), "at least TINY_SCALE"),
         (KVQuant("int8", "group"), 16, dict(k_scale=0.5), "k_scale=0.5"),
         (None, 16, dict(v_scale=0.5), "v_scale=0.5"),
         ("int8", 16, {}, "quant='int8'"),

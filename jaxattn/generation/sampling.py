@@ -48,6 +48,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: top_k={self.top_k} must be an int >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams: top_p={self.top_p} must be in (0, 1]")
+        if self.seed is not None and (
+            int(self.seed) != self.seed or not 0 <= self.seed < 2**31
+        ):  # the engine folds it into a key as an int32
+            raise ValueError(f"SamplingParams: seed={self.seed} must be an int in [0, 2**31)")
 
 
 def _descending(logits):
@@ -65,13 +69,15 @@ def top_k_mask(logits: Float[Array, "B V"], top_k: Int[Array, " B"]) -> Float[Ar
 
 def top_p_mask(logits: Float[Array, "B V"], top_p: Float[Array, " B"]) -> Float[Array, "B V"]:
     """`logits` with -inf outside the nucleus: the most likely tokens, in decreasing order,
-    while the probability before each one is below `top_p` (the first is always kept)."""
+    while the probability before each one is below `top_p` (the first is always kept);
+    rows with `top_p >= 1` unchanged (a float32 cumsum reaches 1 before the tail)."""
     ordered = _descending(logits)  # [B, V]
     probs = jax.nn.softmax(ordered.astype(jnp.float32), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
     kept = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)  # [B]
     threshold = jnp.take_along_axis(ordered, kept[:, None] - 1, axis=-1)  # [B, 1]
-    return jnp.where(logits < threshold, -jnp.inf, logits)
+    drop = (logits < threshold) & (top_p[:, None] < 1)
+    return jnp.where(drop, -jnp.inf, logits)
 
 
 def row_keys(key: jax.Array, seeds: Int[Array, " B"], positions: Int[Array, " B"]) -> jax.Array:

@@ -8,6 +8,7 @@ d_model the model width.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -156,7 +157,8 @@ class Attention(nnx.Module):
     ):
         """Full mode (no cache): x float `[B, T, d_model]` -> y `[B, T, d_model]`.
 
-          positions: int `[B, T]` or `[T]`, the RoPE positions (default `0..T-1`).
+          positions: int `[B, T]` or `[T]`, the RoPE positions (default `0..T-1`, and
+            DynamicNTKScaling then takes each row's length from `q_lengths`).
           q_lengths: int `[B]`, valid tokens of each (right-padded) sequence, also its key
             length; rows at or past it are padding (their attention output is zero).
           mask: bool, broadcastable to `[B, Hq, T, T]`, anded into the causal mask.
@@ -184,9 +186,13 @@ class Attention(nnx.Module):
             )
         q, k, v = self.project_qkv(x)
         if self.rope is not None:
+            seq_len = None  # DynamicNTKScaling: max(positions) + 1 of the call
             if positions is None:
                 positions = jnp.arange(x.shape[1], dtype=jnp.int32)
-            q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+                if q_lengths is not None:  # each row's own length, not the padded width
+                    seq_len = jnp.asarray(q_lengths)[:, None]
+            rotate = functools.partial(apply_rope, rope=self.rope, seq_len=seq_len)
+            q, k = rotate(q, positions), rotate(k, positions)
         out = self.attention_fn(
             q,
             k,
