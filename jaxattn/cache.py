@@ -112,20 +112,19 @@ class PagedKVCache:
                     f"PagedKVCache.create: {name}={value} needs a per-tensor quantized cache; "
                     f"got {quant=}"
                 )
-        if quant is None:
-            shape = (num_pages, num_kv_heads, page_size, head_dim)
-            cache = cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-            cache.check()
-            return cache
-        quant.check(head_dim)
         rows = (num_pages, num_kv_heads, page_size)
-        data = (rows + (quant.packed_dim(head_dim),), quant.storage_dtype)
-        if tensor:
-            scales = (_tensor_scale("k_scale", k_scale), _tensor_scale("v_scale", v_scale))
+        if quant is None:
+            data = (rows + (head_dim,), dtype)
+            cache = cls(jnp.zeros(*data), jnp.zeros(*data))
         else:
-            shape = rows + (quant.num_groups(head_dim),)
-            scales = (jnp.ones(shape, jnp.bfloat16), jnp.ones(shape, jnp.bfloat16))
-        cache = cls(jnp.zeros(*data), jnp.zeros(*data), *scales, quant=quant)
+            quant.check(head_dim)
+            data = (rows + (quant.packed_dim(head_dim),), quant.storage_dtype)
+            if tensor:
+                scales = (_tensor_scale("k_scale", k_scale), _tensor_scale("v_scale", v_scale))
+            else:
+                shape = rows + (quant.num_groups(head_dim),)
+                scales = (jnp.ones(shape, jnp.bfloat16), jnp.ones(shape, jnp.bfloat16))
+            cache = cls(jnp.zeros(*data), jnp.zeros(*data), *scales, quant=quant)
         cache.check()
         return cache
 

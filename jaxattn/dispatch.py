@@ -34,7 +34,7 @@ def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple
 
 
 def _x64() -> bool:
-    """jax's 64-bit mode is on (the flag, or `jax.experimental.enable_x64()`)."""
+    """jax's 64-bit mode is on (the `jax_enable_x64` flag, or its context manager)."""
     return jax.dtypes.canonicalize_dtype(jax.numpy.int64) == jax.numpy.int64
 
 

@@ -74,8 +74,8 @@ def _add_terms(s, rel, *, bias, alibi_slopes, relative_bias, soft_cap):
         s = s + jnp.moveaxis(table[:, buckets], 0, 1)  # [B, Hq, Tq, Tk]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-        if bias is not None:  # a -inf bias hides its key, soft-cap or not
-            s = jnp.where(bias == -jnp.inf, -jnp.inf, s)
+    if bias is not None:  # a -inf bias hides its key (a soft-cap would make it finite)
+        s = jnp.where(bias == -jnp.inf, -jnp.inf, s)
     return s
 
 

@@ -226,17 +226,10 @@ def _ppermute_numbers(axis_name, n: int, mesh_axes=None) -> list[int]:
     in_mesh_order = tuple(a for a in mesh_names if a in axes)
     if len(axes) < 2 or in_mesh_order == axes or set(in_mesh_order) != set(axes):
         return list(range(n))
-    sizes = {a: axis_size(a) for a in axes}
-    numbers = []
-    for d in range(n):
-        coords, rest = {}, d
-        for a in reversed(axes):  # the listed order, the last axis fastest
-            coords[a], rest = rest % sizes[a], rest // sizes[a]
-        number = 0
-        for a in in_mesh_order:
-            number = number * sizes[a] + coords[a]
-        numbers.append(number)
-    return numbers
+    sizes = [axis_size(a) for a in axes]
+    coords = np.unravel_index(np.arange(n), sizes)  # per listed axis, of each index
+    order = [axes.index(a) for a in in_mesh_order]
+    return np.ravel_multi_index([coords[i] for i in order], [sizes[i] for i in order]).tolist()
 
 
 # ---------------------------------------------------------------- one block pair

@@ -131,16 +131,10 @@ def multi_head_cache_attention(
     """
     options = _static(
         query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-        cache, scale, attn_mask, num_heads, head_dim, num_kv_heads, num_layer, layer_idx,
-        quant_bit, quant_group, cache_mode, cache_layout, page_size, is_causal, is_alibi,
-        max_seqlen, max_kvlen,
+        decoding_batches, cache, scale, attn_mask, num_heads, head_dim, num_kv_heads,
+        num_layer, layer_idx, quant_bit, quant_group, cache_mode, cache_layout, page_size,
+        is_causal, is_alibi, max_seqlen, max_kvlen,
     )  # fmt: skip
-    if jnp.ndim(decoding_batches) or not jnp.issubdtype(jnp.result_type(decoding_batches),
-                                                        jnp.integer):  # fmt: skip
-        raise ValueError(
-            f"multi_head_cache_attention: decoding_batches={decoding_batches!r}: expected an "
-            "int scalar"
-        )
     ints = (seqstarts, kvstarts, cachestarts, start_pos, decoding_batches)
     seqstarts, kvstarts, cachestarts, start_pos, decoding_batches = (
         jnp.asarray(x).astype(jnp.int32) for x in ints
@@ -169,7 +163,7 @@ def multi_head_cache_attention(
 
 
 def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-            cache, scale, attn_mask,
+            decoding_batches, cache, scale, attn_mask,
             num_heads, head_dim, num_kv_heads, num_layer, layer_idx, quant_bit, quant_group,
             cache_mode, cache_layout, page_size, is_causal, is_alibi, max_seqlen,
             max_kvlen):  # fmt: skip
@@ -217,6 +211,9 @@ def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
             f"cachestarts.shape={cachestarts.shape} {cachestarts.dtype}: expected int, "
             f"B={batch} rows"
         )
+    if jnp.ndim(decoding_batches) or not jnp.issubdtype(jnp.result_type(decoding_batches),
+                                                        jnp.integer):  # fmt: skip
+        fail(f"decoding_batches={decoding_batches!r}: expected an int scalar")
     spec = PPLCache(num_layer, layer_idx, num_kv_heads, head_dim, quant_bit, quant_group,
                     cache_mode, cache_layout, page_size)  # fmt: skip
     try:

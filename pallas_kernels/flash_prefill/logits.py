@@ -104,10 +104,9 @@ class TileLogits:
             s = s + extra * extra_scale
         if params.soft_cap is not None:
             s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
-            if bias is not None:  # the cap made a -inf bias finite: it still hides the key
-                s = jnp.where(bias == -jnp.inf, MASK_VALUE, s)
-        if bias is not None:  # A -inf bias masks the key; keep every logit finite.
-            s = jnp.maximum(s, MASK_VALUE)
+        if bias is not None:  # A -inf bias masks the key (a soft-cap would make it finite);
+            # every logit stays finite.
+            s = jnp.where(bias == -jnp.inf, MASK_VALUE, jnp.maximum(s, MASK_VALUE))
         visible = None
         if masked:
             visible = jnp.broadcast_to(col_ok[None, :], (block_q, block_kv))
