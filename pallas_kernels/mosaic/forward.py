@@ -197,6 +197,7 @@ def _kernel(
     group: int,
     launch: Launch,
     persistent: int,
+    handoff: bool,
     tail_keys: int,
     staging: OStaging,
     config: MosaicForwardConfig,
@@ -356,7 +357,11 @@ def _kernel(
 
                 def qk_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-                    schedule_turn()
+                    if handoff:  # a tile's first turn was arrived on at the last one's end
+                        pl.when((step != 0) | opening)(lambda: plgpu.barrier_arrive(schedule))
+                        plgpu.barrier_wait(schedule)
+                    else:
+                        schedule_turn()
                     return acc_ref[...]
 
                 qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, keys), jnp.float32))
@@ -375,6 +380,9 @@ def _kernel(
                 def pv_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_tile)
                     nxt = step + 1
+                    if handoff:  # the tile's last GEMM: hand the turn over for the epilogue
+                        last = (nxt == my_hi) & jnp.logical_not(closing)
+                        pl.when(last)(lambda: plgpu.barrier_arrive(schedule))
 
                     @pl.when(nxt < my_hi)
                     def _():  # FA3 section 3.3 in small: wait for the next K under this GEMM
@@ -655,6 +663,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         group=group,
         launch=launch,
         persistent=blocks,
+        handoff=bool(blocks) and not getattr(config, "probe_no_handoff", False),
         tail_keys=tail_keys,
         staging=staging,
         config=config,
