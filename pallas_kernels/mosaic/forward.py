@@ -20,6 +20,9 @@ keys. A block runs three warpgroups (FlashAttention-3, Shah et al. 2024):
   base 2 on the wgmma accumulators (S = Q K^T from shared memory, then O += P V with P
   from registers). A two-party "schedule" barrier makes them take turns on the tensor
   cores: one's softmax overlaps the other's GEMMs (section 3.2, ping-pong scheduling).
+  In the persistent form a consumer hands its next tile's first turn over as soon as its
+  tile's last P V GEMM is issued, so that the other consumer's GEMMs run under its
+  epilogue (FlashAttention-3 too hands the turn over before its epilogue).
   Each consumer waits for its next K block while its P V GEMM is in flight: a small part
   of section 3.3. Its full intra-warpgroup overlap (block j's S GEMM issued with block
   j-1's P V GEMM, the softmax under the latter) was tried: level on full attention and
