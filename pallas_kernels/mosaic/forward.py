@@ -361,7 +361,7 @@ def _kernel(
                 def qk_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                     if handoff:  # a tile's first turn was arrived on at the last one's end
-                        pl.when((step != 0) | opening)(lambda: plgpu.barrier_arrive(schedule))
+                        pl.when((step != my_lo) | opening)(lambda: plgpu.barrier_arrive(schedule))
                         plgpu.barrier_wait(schedule)
                     else:
                         schedule_turn()
