@@ -200,7 +200,6 @@ def _kernel(
     group: int,
     launch: Launch,
     persistent: int,
-    handoff: bool,
     tail_keys: int,
     staging: OStaging,
     config: MosaicForwardConfig,
@@ -360,7 +359,7 @@ def _kernel(
 
                 def qk_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-                    if handoff:  # a tile's first turn was arrived on at the last one's end
+                    if persistent:  # a tile's first turn was arrived on at the last one's end
                         pl.when((step != my_lo) | opening)(lambda: plgpu.barrier_arrive(schedule))
                         plgpu.barrier_wait(schedule)
                     else:
@@ -383,7 +382,7 @@ def _kernel(
                 def pv_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_tile)
                     nxt = step + 1
-                    if handoff:  # the tile's last GEMM: hand the turn over for the epilogue
+                    if persistent:  # the tile's last GEMM: hand the turn over for the epilogue
                         last = (nxt == my_hi) & jnp.logical_not(closing)
                         pl.when(last)(lambda: plgpu.barrier_arrive(schedule))
 
@@ -666,7 +665,6 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         group=group,
         launch=launch,
         persistent=blocks,
-        handoff=bool(blocks) and not getattr(config, "probe_no_handoff", False),
         tail_keys=tail_keys,
         staging=staging,
         config=config,
