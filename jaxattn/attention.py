@@ -447,6 +447,7 @@ def _empty(static: _Static, q, k):
 
 
 def _run(implementation, static, config, qkv, lengths, extras, out_scale):
+    validation.check_config("config", config, FlashPrefillConfig)
     q, k, _ = qkv
     token_axis = 0 if static.packed else 1
     if q.shape[token_axis] == 0 or k.shape[token_axis] == 0:

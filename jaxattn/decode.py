@@ -143,8 +143,12 @@ def paged_decode(
         soft_cap,
         scale,
     )
+    validation.check_config("config", config, PagedDecodeConfig)
     out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.shape[0] == 0:  # an empty batch: no kernel launch of zero programs
+        out = jnp.zeros(q.shape, out_dtype)
+        return (out, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else out
 
     def run(impl):
         if impl == "xla":

@@ -18,8 +18,11 @@ def resolve_implementations(implementation: str | Sequence[str] | None) -> tuple
     Pallas needs jax's 64-bit mode off: a ValueError says so rather than a kernel's
     TypeError."""
     if implementation is None:
-        return ("xla",) if jax.default_backend() != "gpu" else ("pallas", "xla")
-    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+        names = ("xla",) if jax.default_backend() != "gpu" else ("pallas", "xla")
+    elif isinstance(implementation, str):
+        names = (implementation,)
+    else:
+        names = tuple(implementation)
     for name in names:
         if name not in IMPLEMENTATIONS:
             raise ValueError(f"{implementation=}: each name must be one of {IMPLEMENTATIONS}")

@@ -78,6 +78,9 @@ class PagedAttentionConfig:
     gather_min_tokens: int = history.DEFAULT_MIN_TOKENS
 
     def __post_init__(self):
+        validation.check_config("PagedAttentionConfig: prefill", self.prefill, FlashPrefillConfig)
+        validation.check_config("PagedAttentionConfig: decode", self.decode, PagedDecodeConfig)
+        validation.check_triton_prefill("PagedAttentionConfig: prefill", self.prefill)
         if self.gather_tokens is not None and self.gather_tokens < 0:
             raise ValueError(f"PagedAttentionConfig: gather_tokens={self.gather_tokens} < 0")
         if self.gather_min_tokens < 2:
@@ -213,6 +216,7 @@ def paged_attention(
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
     )
     _check(q, k, v, cache, meta, rope, options, alibi_slopes, relative_bias)
+    validation.check_config("config", config, PagedAttentionConfig)
     streaming.check_rope_on_read(rope, rope_on_read)
     read_rope = rope if rope_on_read else None
     out_dtype, out_scale = validation.check_output(out_dtype, out_scale, q.dtype)

@@ -25,6 +25,22 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
+def check_config(name: str, config, cls: type) -> None:
+    """`config` is None or a `cls` (a tiling of another kernel fails deep inside)."""
+    if config is not None and not isinstance(config, cls):
+        raise TypeError(f"{name}={config!r}: expected a {cls.__name__} or None")
+
+
+def check_triton_prefill(name: str, config) -> None:
+    """A `FlashPrefillConfig` for context rows over a paged cache, which the Triton kernel
+    alone runs: forcing the Hopper kernel there is an error, not ignored."""
+    if config is not None and config.backend == "mosaic":
+        raise ValueError(
+            f"{name}.backend='mosaic': the Hopper kernel does not cover context rows over a "
+            "paged cache (the Triton kernel runs them); leave backend 'auto' or 'triton'"
+        )
+
+
 def check_qkv(q, k, v, *, packed: bool) -> None:
     """q `[B, Tq, Hq, D]` and k/v `[B, Tk, Hkv, D]` (dense) or without the B axis (packed)."""
     rank = 3 if packed else 4

@@ -211,3 +211,93 @@ def test_pallas_asks_for_x64_off():
         jax.config.update("jax_enable_x64", False)
     want = jaxattn.attention(q, q, q, causal=True, implementation="xla")
     assert jnp.allclose(out, want, atol=1e-5)
+
+
+def test_pallas_asks_for_x64_off_when_none_picks_it(monkeypatch):
+    """`implementation=None` on a GPU asks for the kernels too: the same clear error (it
+    had returned ("pallas", "xla") before the check)."""
+    monkeypatch.setattr(jaxattn.dispatch.jax, "default_backend", lambda: "gpu")
+    jax.config.update("jax_enable_x64", True)
+    try:
+        with pytest.raises(ValueError, match="jax_enable_x64"):
+            jaxattn.dispatch.resolve_implementations(None)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mosaic=jaxattn.MosaicBackwardConfig()), r"mosaic=.*MosaicForwardConfig"),
+        (dict(mosaic=(64, 128, 2)), r"mosaic=\(64, 128, 2\)"),
+        (dict(backward=jaxattn.MosaicBackwardConfig()), r"backward=.*FlashBackwardConfig"),
+        (dict(backward=jaxattn.FlashPrefillConfig()), r"backward=.*FlashBackwardConfig"),
+    ],
+    ids=["mosaic-backward-tiling", "mosaic-tuple", "backward-mosaic", "backward-prefill"],
+)
+def test_flash_prefill_config_checks_its_nested_configs(kwargs, match):
+    """A tiling of another kernel in `mosaic` / `backward` is rejected where it is built
+    (a MosaicBackwardConfig as `mosaic` reached the Hopper forward on sm90)."""
+    with pytest.raises(TypeError, match=match):
+        jaxattn.FlashPrefillConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_warps=4), dict(num_stages=2), dict(num_warps=(4,))])
+def test_flash_backward_config_pairs_name_the_field(kwargs):
+    """The backward's warps and stages are per-kernel pairs: one int names the fields (it
+    failed with "'int' object is not iterable")."""
+    with pytest.raises(ValueError, match="num_warps=.*num_stages=.*a pair"):
+        jaxattn.FlashBackwardConfig(**kwargs)
+
+
+def _decode_args(batch):
+    cache = jaxattn.PagedKVCache(*(jnp.zeros((4, 2, 16, 32), F32),) * 2)
+    return cache, (S((batch, 4, 32), F32), S((batch, 2), I32), S((batch,), I32))
+
+
+@pytest.mark.parametrize(
+    "op, config",
+    [
+        ("attention", jaxattn.FlashBackwardConfig()),
+        ("attention", jaxattn.MosaicForwardConfig()),
+        ("paged_decode", jaxattn.FlashPrefillConfig(block_kv=64)),
+    ],
+    ids=["attention-backward", "attention-mosaic", "paged_decode-prefill"],
+)
+def test_config_of_another_kernel_names_the_argument(op, config):
+    """A tiling of another kernel as `config=` raises a TypeError naming `config` (it
+    failed deep inside: "unexpected keyword argument 'lengths'", "no attribute 'mosaic'",
+    "no attribute 'query_rows'")."""
+    with pytest.raises(TypeError, match=r"config=.*expected a"):
+        if op == "attention":
+            trace(jaxattn.attention, Q, KV, KV, implementation="pallas", config=config)
+        else:
+            cache, (q, tables, lens) = _decode_args(2)
+            fn = lambda q, t, n: jaxattn.paged_decode(q, cache, t, n, config=config)  # noqa: E731
+            jax.eval_shape(fn, q, tables, lens)
+
+
+def test_paged_attention_config_checks_its_parts():
+    """PagedAttentionConfig takes the two kernels' own tilings, and a forced Hopper
+    prefill (context rows over a paged cache run on the Triton kernel alone) is an error,
+    not silently ignored."""
+    with pytest.raises(TypeError, match="prefill=.*FlashPrefillConfig"):
+        jaxattn.PagedAttentionConfig(prefill=jaxattn.PagedDecodeConfig())
+    with pytest.raises(TypeError, match="decode=.*PagedDecodeConfig"):
+        jaxattn.PagedAttentionConfig(decode=jaxattn.FlashPrefillConfig())
+    with pytest.raises(ValueError, match="backend='mosaic'"):
+        jaxattn.PagedAttentionConfig(prefill=jaxattn.FlashPrefillConfig(backend="mosaic"))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_paged_decode_empty_batch(implementation):
+    """B = 0: empty outputs from either implementation (the kernel's tiling heuristic
+    divided by zero programs)."""
+    cache, _ = _decode_args(0)
+    q = jnp.zeros((0, 4, 32), F32)
+    tables, lens = jnp.zeros((0, 2), I32), jnp.zeros((0,), I32)
+    out, lse = jaxattn.paged_decode(
+        q, cache, tables, lens, return_lse=True, implementation=implementation
+    )
+    assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
+    assert jaxattn.PagedDecodeConfig.heuristic(0, 8, 4096, 16, 132).num_splits >= 1

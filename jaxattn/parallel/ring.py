@@ -172,6 +172,7 @@ def ring_attention(
     float32 (each block's kernel result is rounded to the input dtype first).
     """
     validation.check_qkv(q, k, v, packed=False)
+    validation.check_config("config", config, FlashPrefillConfig)
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=}: expected one of {LAYOUTS}")
     if causal and q.shape[1] != k.shape[1]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn import reference
+from jaxattn import reference, validation
 from jaxattn.dispatch import run_first
 from jaxattn.positional import alibi_slopes
 from jaxattn.ppl.cache import LAYOUTS, PPLCache
@@ -129,6 +129,9 @@ def multi_head_cache_attention(
     Data-dependent preconditions (monotone offsets, positions inside the page table and the
     cache) are checked by `check_inputs`, not here.
     """
+    validation.check_config("prefill_config", prefill_config, FlashPrefillConfig)
+    validation.check_triton_prefill("prefill_config", prefill_config)
+    validation.check_config("decode_config", decode_config, PagedDecodeConfig)
     options = _static(
         query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
         decoding_batches, cache, scale, attn_mask, num_heads, head_dim, num_kv_heads,

@@ -50,6 +50,10 @@ class FlashPrefillConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"FlashPrefillConfig: backend={self.backend!r} not in {BACKENDS}")
+        for name, cls in (("backward", FlashBackwardConfig), ("mosaic", MosaicForwardConfig)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"FlashPrefillConfig: {name}={value!r}: a {cls.__name__} or None")
         for name in ("block_q", "block_kv"):
             size = getattr(self, name)
             if size is not None and not (_is_power_of_2(size) and size >= 16):

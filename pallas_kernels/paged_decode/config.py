@@ -162,7 +162,7 @@ class PagedDecodeConfig:
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
         sm_count = sm_count or device_sm_count(_DEFAULT_SM_COUNT)
-        programs = batch * num_kv_heads
+        programs = max(1, batch * num_kv_heads)  # (an empty batch still gets a tiling)
         if programs >= sm_count and code is None:
             if max_context >= _LONG_CONTEXT:
                 splits = min(_LONG_PROGRAMS_PER_SM * sm_count // programs, max_context // 1024)
