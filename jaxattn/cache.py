@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
+from jaxattn.int32 import check_int32
 from jaxattn.quant import TINY_SCALE, KVQuant, dequantize, group_scales, quantize
 
 __all__ = ["PagedKVCache", "copy_pages", "gather_kv", "write_kv", "write_kv_stored"]
@@ -237,6 +238,7 @@ def _write(cache, k, v, slot_mapping, read_dtype):
     """`write_kv`'s checks and scatter; with `read_dtype`, also the stored values read
     back in it (else None)."""
     cache.check()
+    check_int32("write_kv", "slot_mapping", slot_mapping)
     if k.shape != v.shape or k.ndim != 3:
         raise ValueError(f"{k.shape=} and {v.shape=}: expected equal shapes [T, Hkv, D]")
     if k.dtype != v.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
@@ -292,6 +294,8 @@ def copy_pages(
     Returns a new cache; in place under `jax.jit(copy_pages, donate_argnums=0)`.
     """
     cache.check()
+    check_int32("copy_pages", "src_pages", src_pages)
+    check_int32("copy_pages", "dst_pages", dst_pages)
     src_pages, dst_pages = jnp.asarray(src_pages), jnp.asarray(dst_pages)
     if (
         src_pages.ndim != 1

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from jaxattn.int32 import check_int32
 from pallas_kernels.cache_read import ring_position
 
 __all__ = ["KVCacheManager", "pad_ids", "reserve_from_lists"]
@@ -84,6 +85,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 def _int_vector(method: str, name: str, x, length: int | None = None) -> jax.Array:
     """`x` as an int32 `[length]` array; a ValueError naming `name` if it is not one."""
+    check_int32(method, name, x)
     x = jnp.asarray(x)
     if x.ndim != 1 or (length is not None and x.shape[0] != length):
         want = "[T]" if length is None else f"[{length}]"
@@ -399,8 +401,10 @@ class KVCacheManager:
         """Cache slot of token (seq_ids[t], positions[t]), both int `[T]`.
 
         Returns int32 `[T]`: `block_tables[s, pos // P] * P + pos % P`, or -1 where the id
-        is padding (< 0) or >= `max_seqs`, the position is < 0 or >= `lengths[s]`, or the
-        sequence has no page there: never a slot of a page the sequence does not hold.
+        is padding (< 0) or >= `max_seqs`, the position is < 0 or >= `lengths[s]`, the
+        sequence has no page there, or the page is shared with another sequence (`fork`: a
+        shared page is never written again): never a slot of a page the sequence does not
+        hold alone.
         A cyclic cache maps `pos` into its ring first (`ring`), and gives -1 to positions
         the ring no longer holds (below `lengths[s] - size`, sinks excepted).
         Reserve first, then map the new tokens' positions.
@@ -418,6 +422,7 @@ class KVCacheManager:
         col = stored // P
         page = self.block_tables[row, jnp.clip(col, 0, M - 1)]
         valid &= (col < M) & (page >= 0)
+        valid &= self.refcounts[jnp.clip(page, 0, self.num_pages - 1)] == 1
         return jnp.where(valid, page * P + stored % P, -1).astype(jnp.int32)
 
     # ------------------------------------------------------------------ debugging
@@ -476,6 +481,7 @@ def pad_ids(ids: Sequence[int], size: int, fill: int = -1) -> Int[Array, " size"
         raise ValueError(f"pad_ids: {size=} must be a non-negative int")
     if len(ids) > size:
         raise ValueError(f"pad_ids: {len(ids)} ids do not fit in a bucket of size {size}")
+    check_int32("pad_ids", "ids", ids)
     return jnp.asarray(
         np.pad(np.asarray(ids, np.int32).reshape(-1), (0, size - len(ids)), constant_values=fill)
     )

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from jaxattn.int32 import check_int32
 from jaxattn.manager import KVCacheManager
 from pallas_kernels.cache_read import ring_position
 
@@ -59,6 +60,9 @@ class AttentionMetadata:
       page_size: static; P of the manager or tables the plan was made for (its slots are
         `page * P + offset`), or None (not known). `paged_attention` raises when it is not
         the cache's page size.
+      asked_tokens: int32 `[]`, the new tokens the caller asked for (`build`: the sum of
+        `q_lens` before the cut at T), or None (not known). More than T is an overfull
+        step: its last rows lost tokens, whole rows perhaps, and `check()` reports it.
     """
 
     cu_seqlens_q: Int[Array, " S1"]
@@ -70,6 +74,7 @@ class AttentionMetadata:
     ring: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
     page_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    asked_tokens: Int[Array, ""] | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -133,6 +138,8 @@ class AttentionMetadata:
         where it has no slot, its tokens without keys output zeros, and `check()` reports
         it (`q_within_context`), as it reports a sequence in two rows (`distinct_rows`).
         """
+        check_int32("AttentionMetadata.build", "seq_ids", seq_ids)
+        check_int32("AttentionMetadata.build", "q_lens", q_lens)
         seq_ids = jnp.asarray(seq_ids, jnp.int32)
         q_lens = jnp.asarray(q_lens, jnp.int32)
         if seq_ids.ndim != 1 or q_lens.shape != seq_ids.shape:
@@ -145,7 +152,8 @@ class AttentionMetadata:
         context_lens = jnp.where(known, mgr.lengths[row], 0)
         q_lens = jnp.where(live, jnp.maximum(q_lens, 0), 0)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
-        # Tokens past the bucket are dropped: an overfull step must be caught on the host.
+        asked = cu[-1]
+        # Tokens past the bucket are dropped: `check()` reports it (`tokens_fit`).
         cu = jnp.minimum(cu, max_tokens)
         meta = cls(
             cu_seqlens_q=cu,
@@ -157,6 +165,7 @@ class AttentionMetadata:
             ring=mgr.ring,
             decode_only=bool(decode_only),
             page_size=mgr.page_size,
+            asked_tokens=asked,
         )
         tok_row, real = meta.token_rows()
         t = jnp.arange(max_tokens, dtype=jnp.int32)
@@ -235,6 +244,8 @@ class AttentionMetadata:
         ctx_all = np.zeros(max_seqs, np.int64)
         ctx_all[:n] = ctx
         seq_ids = np.where(np.arange(max_seqs) < n, np.arange(max_seqs), -1)
+        for name, x in (("block_tables", tables), ("slots", slots), ("context_lens", ctx)):
+            check_int32("AttentionMetadata.from_lists", name, x)
         i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
         return cls(
             cu_seqlens_q=i32(cu),
@@ -246,6 +257,7 @@ class AttentionMetadata:
             ring=ring,
             decode_only=bool(decode_only),
             page_size=int(page_size),
+            asked_tokens=i32(q.sum()),
         )
 
     # ------------------------------------------------------------------ checks
@@ -258,6 +270,8 @@ class AttentionMetadata:
         positions_match: every real token's position is `context_lens - q_len + i`.
         decode_only_rows: with `decode_only`, no row has more than one new token.
         distinct_rows: no sequence id in two rows (their tokens would share slots).
+        tokens_fit: the new tokens asked for fit in T (`asked_tokens`; a row cut off
+        whole by an overfull step has no token left to show it).
         """
         cu, q_lens = self.cu_seqlens_q, self.q_lens
         tok_row, real = self.token_rows()
@@ -269,6 +283,9 @@ class AttentionMetadata:
             positions_match=jnp.all(jnp.where(real, self.positions == expect, True)),
             decode_only_rows=jnp.all(q_lens <= 1) | (not self.decode_only),
             distinct_rows=self._distinct_rows(),
+            tokens_fit=jnp.asarray(
+                self.asked_tokens is None or self.asked_tokens <= self.max_tokens
+            ),
         )
         checks["ok"] = jnp.all(jnp.stack(list(checks.values())))
         return checks

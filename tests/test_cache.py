@@ -172,6 +172,17 @@ def test_slots_past_the_pool_are_dropped():
     np.testing.assert_array_equal(np.asarray(after.v_pages), np.asarray(before.v_pages))
 
 
+def test_int64_slots_and_pages_past_int32_are_an_error():
+    """A numpy int64 slot 2**32 + 5 had wrapped to slot 5 and been written, and a source
+    page 2**32 to page 0 and been copied: host integers outside int32 raise."""
+    cache = random_cache(util.rng_for("int64_slots"))
+    k = jnp.ones((1, HKV, D), jnp.float32)
+    with pytest.raises(ValueError, match="slot_mapping holds values outside int32"):
+        jaxattn.write_kv(cache, k, k, np.array([2**32 + 5]))
+    with pytest.raises(ValueError, match="src_pages holds values outside int32"):
+        jaxattn.copy_pages(cache, np.array([2**32]), np.array([1]))
+
+
 def test_donated_write_is_in_place_and_equal():
     rng = util.rng_for("donation")
     cache = random_cache(rng)

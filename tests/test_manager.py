@@ -348,3 +348,43 @@ def test_create_rejects_int32_overflow():
 def test_bad_arguments_fail_at_trace_time(method, args, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         jax.eval_shape(getattr(KVCacheManager, method), new_manager(), *args)
+
+
+def _two_sequences() -> KVCacheManager:
+    mgr = KVCacheManager.create(num_pages=8, page_size=4, max_seqs=3, max_pages_per_seq=3)
+    mgr, ok = mgr.reserve(jnp.array([0, 1]), jnp.array([6, 3]))
+    assert bool(ok)
+    return mgr
+
+
+BIG = 2**32 + 1  # numpy's default int64; jax with 64-bit mode off would wrap it to 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.release(np.array([BIG])),
+        lambda m: m.reserve(np.array([2]), np.array([BIG + 4])),
+        lambda m: m.slot_mapping(np.array([BIG]), np.array([0])),
+        lambda m: pad_ids(np.array([BIG]), 2),
+    ],
+    ids=["release", "reserve", "slot_mapping", "pad_ids"],
+)
+def test_int64_host_values_past_int32_are_an_error(call):
+    """Id 2**32 + 1 had released live sequence 1, mapped into its pages, and a length of
+    2**32 + 5 had reserved 5 tokens: host integers outside int32 now raise."""
+    with pytest.raises(ValueError, match="outside int32"):
+        call(_two_sequences())
+
+
+def test_slot_mapping_never_gives_a_slot_of_a_shared_page():
+    """After `fork` the beams share their full pages; a plan built after a failed reserve
+    (both beams' next token at position 3 of the shared page) gets no slot there: it had
+    written both beams' tokens into one slot, each overwriting the other's history."""
+    mgr = KVCacheManager.create(num_pages=2, page_size=4, max_seqs=3, max_pages_per_seq=2)
+    mgr, _ = mgr.reserve(jnp.array([0]), jnp.array([4]))
+    mgr, _, _, ok = mgr.fork(jnp.array([0]), jnp.array([1]))
+    assert bool(ok) and mgr.refcounts.tolist() == [2, 0]
+    mgr, ok = mgr.reserve(jnp.array([0, 1]), jnp.array([5, 5]))  # one free page for two
+    assert not bool(ok)
+    assert mgr.slot_mapping(jnp.array([0, 1, 0]), jnp.array([3, 3, 0])).tolist() == [-1] * 3

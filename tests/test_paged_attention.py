@@ -799,6 +799,18 @@ def test_check_flags_a_sequence_in_two_rows():
     assert bool(meta.check()["ok"])
 
 
+def test_check_flags_an_overfull_step():
+    """Rows of 8 and 4 new tokens in a bucket of 8: row 1 is cut off whole (no token left
+    to show it) and `check()` says so (`tokens_fit`); it had passed."""
+    mgr = jaxattn.KVCacheManager.create(8, P, 3, 3)
+    mgr, _ = mgr.reserve(jnp.array([0, 1]), jnp.array([8, 4]))
+    meta = jaxattn.AttentionMetadata.build(mgr, jnp.array([0, 1, -1]), jnp.array([8, 4, 0]), 8)
+    assert int(meta.asked_tokens) == 12 and meta.q_lens.tolist() == [8, 0, 0]
+    assert not bool(meta.check()["tokens_fit"]) and not bool(meta.check()["ok"])
+    meta = jaxattn.AttentionMetadata.build(mgr, jnp.array([0, 1, -1]), jnp.array([4, 4, 0]), 8)
+    assert bool(meta.check()["ok"])
+
+
 def test_plan_of_another_page_size_is_rejected():
     """A plan's slots are pages of its manager's size; a cache of another size would take
     them for other pages (other sequences')."""

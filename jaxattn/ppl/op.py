@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn import reference, validation
 from jaxattn.dispatch import run_first
+from jaxattn.int32 import check_int32
 from jaxattn.positional import alibi_slopes
 from jaxattn.ppl.cache import LAYOUTS, PPLCache
 from pallas_kernels.common import use_interpret
@@ -383,18 +384,8 @@ def check_inputs(*args, **kwargs) -> None:
     bound = inspect.signature(multi_head_cache_attention).bind(*args, **kwargs)
     bound.apply_defaults()  # the op's own defaults
     given = dict(bound.arguments)
-    int32 = np.iinfo(np.int32)
     for name in ("seqstarts", "kvstarts", "cachestarts", "start_pos", "decoding_batches"):
-        raw = np.asarray(given[name])
-        if (
-            jnp.issubdtype(raw.dtype, jnp.integer)
-            and raw.size
-            and (raw.min() < int32.min or raw.max() > int32.max)
-        ):
-            raise ValueError(
-                f"multi_head_cache_attention inputs: {name} holds values outside int32 "
-                f"({raw.min()}..{raw.max()}); offsets must stay below 2**31"
-            )
+        check_int32("multi_head_cache_attention inputs", name, given[name])
     for name in ("seqstarts", "kvstarts", "cachestarts", "start_pos"):
         given[name] = jnp.asarray(given[name])
     opts = _static(**{name: given[name] for name in inspect.signature(_static).parameters})

@@ -59,9 +59,10 @@ class FlashBackwardConfig:
             if size is not None and not (size >= 16 and size & (size - 1) == 0):
                 raise ValueError(f"FlashBackwardConfig: {name}={size} must be a power of 2 >= 16")
         pairs = [x for x in (self.num_warps, self.num_stages) if x is not None]
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs) or min(
-            self.num_stages or (1,)
-        ) < 1:
+        if (
+            any(not isinstance(x, tuple) or len(x) != 2 for x in pairs)
+            or min(self.num_stages or (1,)) < 1
+        ):
             raise ValueError(
                 f"FlashBackwardConfig: num_warps={self.num_warps}, num_stages={self.num_stages}:"
                 " a pair, one entry >= 1 per kernel (dK/dV, dQ)"
