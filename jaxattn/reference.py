@@ -27,6 +27,7 @@ from jaxattn import validation
 from jaxattn.positional import RelativeBias, relative_position_bucket
 from jaxattn.rope import apply_rope
 from jaxattn.streaming import cache_positions
+from pallas_kernels.common import HIDDEN_BIAS
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -74,8 +75,8 @@ def _add_terms(s, rel, *, bias, alibi_slopes, relative_bias, soft_cap):
         s = s + jnp.moveaxis(table[:, buckets], 0, 1)  # [B, Hq, Tq, Tk]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    if bias is not None:  # a -inf bias hides its key (a soft-cap would make it finite)
-        s = jnp.where(bias == -jnp.inf, -jnp.inf, s)
+    if bias is not None:  # a bias <= HIDDEN_BIAS (-inf too) hides its key, soft-cap or not
+        s = jnp.where(bias <= HIDDEN_BIAS, -jnp.inf, s)
     return s
 
 

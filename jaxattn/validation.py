@@ -121,6 +121,13 @@ MAX_POSITIONS = 2**30
 def check_options(
     *, num_q_heads, window, sink_tokens, alibi_slopes, relative_bias, soft_cap, scale
 ) -> None:
+    for name, value in (("window", window), ("sink_tokens", sink_tokens),
+                        ("soft_cap", soft_cap), ("scale", scale)):  # fmt: skip
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(
+                f"{name} is traced: it must be a static Python number (the kernels are "
+                "compiled for it); a learnable temperature can scale q instead"
+            )
     if window is not None and (int(window) != window or not 1 <= window <= MAX_POSITIONS):
         _fail(f"{window=}: expected an integer in [1, 2**30] or None (no window)")
     if int(sink_tokens) != sink_tokens or not 0 <= sink_tokens <= MAX_POSITIONS:
@@ -129,8 +136,8 @@ def check_options(
         _fail(f"{soft_cap=}: expected a positive finite number or None")
     if scale is not None and not np.isfinite(scale):
         _fail(f"{scale=}: expected a finite number or None")
-    if alibi_slopes is not None and alibi_slopes.shape != (num_q_heads,):
-        _fail(f"alibi_slopes.shape={alibi_slopes.shape}: expected [num_q_heads={num_q_heads}]")
+    if alibi_slopes is not None and np.shape(alibi_slopes) != (num_q_heads,):
+        _fail(f"alibi_slopes.shape={np.shape(alibi_slopes)}: expected [num_q_heads={num_q_heads}]")
     if relative_bias is not None:
         if not isinstance(relative_bias, RelativeBias):
             _fail(f"relative_bias: expected a jaxattn.RelativeBias, got {type(relative_bias)}")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.codes import codes_to_bf16, int4_nibbles, words_to_values
-from pallas_kernels.common import dot_width, next_power_of_2
+from pallas_kernels.common import dot_width
 
 _ROW_AXES = ("page", "offset", "token")
 _AXES = (*_ROW_AXES, "head", "dim", "kv", "layer")
@@ -322,13 +322,14 @@ def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int
     (scales applied per element): for kernels whose tile mixes cached and fresh rows.
 
     Arguments as `read_kv`, except `t_ok` may be None: every row is read. Dp = D padded to
-    a power of two (columns past D read as 0). Without a mask (t_ok None and D a power of
-    two) the loads vectorize along D. INT4 reads each byte twice (for channel j and
-    j + D/2) and picks the nibble, so the tile needs no interleaving.
+    a power of two of at least 16 (`dot_width`; columns past D read as 0). Without a mask
+    (t_ok None and D a power of two) the loads vectorize along D. INT4 reads each byte
+    twice (for channel j and j + D/2) and picks the nibble, so the tile needs no
+    interleaving.
     """
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
-    dims = jnp.arange(next_power_of_2(head_dim))
+    dims = jnp.arange(dot_width(head_dim))
     ok = None
     if t_ok is not None:
         ok = t_ok[:, None]

@@ -18,6 +18,10 @@ from jax.experimental.pallas import triton as plgpu
 # row maximum m, and never produces inf - inf = NaN when a whole block is masked.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
+# A bias at or below this hides its key, as -inf does (transformers' masks use
+# finfo(float32).min). Finite logits below about -8e37 would read as masked in the
+# kernels (their rows' maxima fall below MASK_VALUE / 2); one rule for every path.
+HIDDEN_BIAS = -1e37
 LN2 = math.log(2.0)
 
 

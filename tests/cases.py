@@ -37,7 +37,7 @@ class Options:
     sink_tokens: int = 0
     alibi: bool = False
     bias: tuple | None = None  # shape, with "B", "H", "Tq", "Tk" for the full sizes
-    neg_inf_bias: bool = False  # some bias entries (and one whole row) are -inf
+    neg_inf_bias: bool = False  # some bias entries are -inf, one whole row finfo(f32).min
     mask: tuple | None = None  # shape, as bias
     rel: tuple[int, int, bool] | None = None  # T5: (num_buckets, max_distance, bidirectional)
     soft_cap: float | None = None
@@ -254,8 +254,8 @@ def _extras(case: Options, rng, sizes, dtype, row_axis):
         bias = rng.standard_normal(shape)
         if case.neg_inf_bias:
             bias[rng.random(shape) < 0.25] = -np.inf
-            if len(shape) + row_axis >= 0 and shape[row_axis] > 2:
-                bias[(Ellipsis, 2, slice(None))] = -np.inf
+            if len(shape) + row_axis >= 0 and shape[row_axis] > 2:  # a row of transformers'
+                bias[(Ellipsis, 2, slice(None))] = np.finfo(np.float32).min  # mask value
         kw["bias"] = jnp.asarray(bias, jnp.float32)
         okw["bias"] = util.f64(kw["bias"])
     if case.mask is not None:

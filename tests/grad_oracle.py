@@ -126,8 +126,8 @@ def _dense(
             else:
                 s = z
             vis = visible if mask is None else visible & mask[b, h]
-            if bias is not None:  # a -inf bias hides its key, soft-cap or not
-                vis = vis & (np.broadcast_to(bias[b, h], s.shape) > -np.inf)
+            if bias is not None:  # a bias <= -1e37 (-inf too) hides its key (README)
+                vis = vis & (np.broadcast_to(bias[b, h], s.shape) > -1e37)
             s = np.where(vis, s, -np.inf)
             m = np.max(s, axis=-1, initial=-np.inf, keepdims=True)  # [Tq, 1]
             seen = np.isfinite(m)

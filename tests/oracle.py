@@ -144,8 +144,8 @@ def attention_oracle(
             if soft_cap is not None:
                 s = soft_cap * np.tanh(s / soft_cap)
             vis = visible if mask is None else visible & mask[b, h]
-            if bias is not None:  # a -inf bias hides its key (README), soft-cap or not
-                vis = vis & (np.broadcast_to(bias[b, h], s.shape) > -np.inf)
+            if bias is not None:  # a bias <= -1e37 (-inf too) hides its key (README)
+                vis = vis & (np.broadcast_to(bias[b, h], s.shape) > -1e37)
             s = np.where(vis, s, -np.inf)
             m = np.max(s, axis=-1, initial=-np.inf, keepdims=True)  # [Tq, 1]
             seen = np.isfinite(m)

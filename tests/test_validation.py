@@ -301,3 +301,23 @@ def test_paged_decode_empty_batch(implementation):
     )
     assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
     assert jaxattn.PagedDecodeConfig.heuristic(0, 8, 4096, 16, 132).num_splits >= 1
+
+
+@pytest.mark.parametrize("option", ["scale", "soft_cap"])
+def test_traced_scale_or_soft_cap_names_the_argument(option):
+    """A learnable temperature under jax.grad is traced: a TypeError naming it (it was a
+    bare TracerBoolConversionError)."""
+    q = jnp.ones((1, 8, 2, 16), F32)
+    call = lambda t: jnp.sum(jaxattn.attention(q, q, q, **{option: t}))  # noqa: E731
+    with pytest.raises(TypeError, match=f"{option} is traced"):
+        jax.grad(call)(jnp.float32(0.5))
+
+
+def test_alibi_slopes_as_a_list():
+    """A Python list of slopes is taken (it raised "'list' object has no attribute
+    'shape'"), and a wrong-length one names the argument."""
+    q = jnp.ones((1, 8, 2, 16), F32)
+    out = jaxattn.attention(q, q, q, alibi_slopes=[0.5, 0.25], implementation="xla")
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape=\(3,\)"):
+        jaxattn.attention(q, q, q, alibi_slopes=[0.5, 0.25, 0.1])

@@ -33,7 +33,7 @@ CPU_CONFIG = jaxattn.FlashPrefillConfig(
 GPU_SCALE = 4  # token counts and lengths (> 1) are multiplied by this on a GPU
 DEFAULT_HEAD_DIM = 128 if ON_GPU else 32
 # The head-dim sweep: real models on a GPU; one odd size (padded in-kernel) on CPU.
-HEAD_DIMS = (64, 80, 96, 128, 256) if ON_GPU else (40,)
+HEAD_DIMS = (8, 64, 80, 96, 128, 256, 512) if ON_GPU else (40,)  # 8: a dot of width 16
 # dtypes every case runs in; "core" cases also run in float32 on a GPU.
 CASE_DTYPES = ("bfloat16",) if ON_GPU else ("float32",)
 CORE_DTYPES = ("bfloat16", "float32") if ON_GPU else ("float32",)

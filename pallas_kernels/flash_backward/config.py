@@ -89,7 +89,10 @@ class FlashBackwardConfig:
         and one stage to stay within shared memory.
         """
         padded_dim = next_power_of_2(head_dim)
-        if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
+        if padded_dim >= 512:  # within an H100's shared memory at D512 (2026-11-27)
+            size = 16 if jnp.dtype(dtype).itemsize >= 4 else 32
+            config = cls(size, size, size, size, (4, 4), (1, 1))
+        elif padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
             config = cls(32, 64, 64, 32, (4, 4), (1, 1))
         else:
             config = cls(64, 64, 64, 64, (4, 4), (2, 2))

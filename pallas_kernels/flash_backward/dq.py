@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_power_of_2, relative_position_bucket
+from pallas_kernels.common import dot_width, relative_position_bucket
 from pallas_kernels.flash_backward.tile import QuerySide, load_keys, logit_grads, tile_at
 from pallas_kernels.flash_prefill.logits import TermRefs, TileLogits
 from pallas_kernels.tiles import _NUM_REAL, key_block_range
@@ -48,7 +48,7 @@ def _dq_kernel(*refs, params, has, grads_of, block_q, block_kv, head_dim, group,
     query_side = QuerySide(q_ref, do_ref, lse2_ref, delta_ref)
     h = pl.program_id(0)
     kvh = h // group
-    padded_dim = next_power_of_2(head_dim)
+    padded_dim = dot_width(head_dim)
     dims = pl.ds(0, padded_dim)
     dim_ok = (jnp.arange(padded_dim) < head_dim)[None, :]  # [1, Dp]
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None

@@ -109,7 +109,10 @@ class FlashPrefillConfig:
         279 on 64x32x4x3 (2026-11-22 sweep before the 16:33 UTC run, bench/HISTORY.md).
         """
         padded_dim = next_power_of_2(head_dim)
-        if padded_dim >= 256 or jnp.dtype(dtype).itemsize >= 4:
+        wide = jnp.dtype(dtype).itemsize >= 4
+        if padded_dim >= 512:  # two stages asked 384 KiB of shared memory at D512 (H100)
+            block_q, block_kv, num_warps, num_stages = (32, 16, 4, 1) if wide else (64, 32, 4, 1)
+        elif padded_dim >= 256 or wide:
             block_q, block_kv, num_warps, num_stages = 64, 32, 4, 2
         elif logit_tiles:
             block_q, block_kv, num_warps, num_stages = 128, 64, 8 if padded_dim >= 128 else 4, 2

@@ -42,7 +42,7 @@ from pallas_kernels import rope_read
 from pallas_kernels.batch import Batch
 from pallas_kernels.cache_read import CacheFormat
 from pallas_kernels.common import (
-    next_power_of_2,
+    dot_width,
     softmax_finish,
     softmax_init,
     softmax_update,
@@ -169,7 +169,7 @@ def _flash_prefill_kernel(
             k_col = index_ref[tile, _K_COL]
         kvh = h // group
 
-        padded_dim = next_power_of_2(head_dim)  # Triton blocks are powers of two: 80 -> 128
+        padded_dim = dot_width(head_dim)  # a power of two, >= 16: 80 -> 128, 8 -> 16
         dims = pl.ds(0, padded_dim)
         dim_ok = (jnp.arange(padded_dim) < head_dim)[None, :]  # [1, Dp]
         rows = r0 + jnp.arange(block_q)  # [block_q] row index within the sequence

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import rope_read
-from pallas_kernels.common import LOG2E, MASK_VALUE, relative_position_bucket
+from pallas_kernels.common import HIDDEN_BIAS, LOG2E, MASK_VALUE, relative_position_bucket
 
 __all__ = ["TermRefs", "TileLogits"]
 
@@ -104,9 +104,9 @@ class TileLogits:
             s = s + extra * extra_scale
         if params.soft_cap is not None:
             s = (params.soft_cap * LOG2E) * jnp.tanh(s / params.soft_cap)
-        if bias is not None:  # A -inf bias masks the key (a soft-cap would make it finite);
-            # every logit stays finite.
-            s = jnp.where(bias == -jnp.inf, MASK_VALUE, jnp.maximum(s, MASK_VALUE))
+        if bias is not None:  # A bias <= HIDDEN_BIAS (-inf too) masks the key (a soft-cap
+            # would make it finite); every logit stays finite.
+            s = jnp.where(bias <= HIDDEN_BIAS, MASK_VALUE, jnp.maximum(s, MASK_VALUE))
         visible = None
         if masked:
             visible = jnp.broadcast_to(col_ok[None, :], (block_q, block_kv))
