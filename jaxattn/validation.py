@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from jaxattn.cache import PagedKVCache
 from jaxattn.positional import RelativeBias
@@ -123,7 +124,7 @@ def check_options(
 ) -> None:
     for name, value in (("window", window), ("sink_tokens", sink_tokens),
                         ("soft_cap", soft_cap), ("scale", scale)):  # fmt: skip
-        if isinstance(value, jax.core.Tracer):
+        if isinstance(value, Tracer):
             raise TypeError(
                 f"{name} is traced: it must be a static Python number (the kernels are "
                 "compiled for it); a learnable temperature can scale q instead"
