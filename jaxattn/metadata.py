@@ -196,7 +196,8 @@ class AttentionMetadata:
           page_size: P. max_tokens, max_seqs, max_pages: the buckets T, S, M.
           ring: a cyclic cache's `(kept, size)` (`KVCacheManager.ring`), or None.
           decode_only: every q_len is 0 or 1 (see the class); checked here.
-        Seq ids are the row numbers `0..len(q_lens)-1`.
+        Seq ids are the row numbers `0..len(q_lens)-1`. Raises ValueError for a plan that
+        does not fit its buckets or tables, or whose new tokens share a cache slot.
         """
         n = len(q_lens)
         if len(context_lens) != n or len(block_tables) != n:
@@ -241,6 +242,12 @@ class AttentionMetadata:
             positions[cu[s] : cu[s + 1]] = pos
             page = tables[s, col]
             slots[cu[s] : cu[s + 1]] = np.where(pos_kept, page * page_size + stored % page_size, -1)
+        written = slots[slots >= 0]
+        if len(np.unique(written)) != len(written):  # `write_kv` takes its slots as unique
+            raise ValueError(
+                "from_lists: two new tokens write one cache slot (rows sharing a page "
+                f"they both write); slots {slots.tolist()}"
+            )
         ctx_all = np.zeros(max_seqs, np.int64)
         ctx_all[:n] = ctx
         seq_ids = np.where(np.arange(max_seqs) < n, np.arange(max_seqs), -1)

@@ -831,6 +831,8 @@ def test_plan_of_another_page_size_is_rejected():
         (dict(q_lens=[1] * 4, context_lens=[1] * 4, block_tables=[[0], [1], [2], [3]]),
          "max_seqs"),
         (dict(q_lens=[1], context_lens=[13], block_tables=[[0, 1, 2, 3]]), "max_pages"),
+        # two rows writing their new token into one slot of a page both list
+        (dict(q_lens=[1, 1], context_lens=[2, 2], block_tables=[[0], [0]]), "one cache slot"),
     ],
 )  # fmt: skip
 def test_from_lists_overflow_names_the_bucket(kwargs, match):
