@@ -339,6 +339,11 @@ class KVCacheManager:
         in column order). A source may fork to several destinations (beam width k: k - 1
         pairs); every pair reads the rows as they were before the call.
 
+        Fork between steps, after a step's K/V are written: the length counts reserved
+        positions as held, so a fork between `reserve` and the write would share pages
+        whose last tokens are not written yet, and the write would then skip them
+        (`slot_mapping` gives no slot in a shared page).
+
         Args:
           src_ids, dst_ids: int `[B]`; a pair with an id < 0 is padding (ignored).
 
