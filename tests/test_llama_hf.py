@@ -6,6 +6,8 @@ Llama-3 RoPE scaling (plus tied embeddings and biases), and greedy decoding agai
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,25 @@ def test_config_from_hf(models):
     assert LlamaConfig.from_hf(hf.config.to_dict()) == config  # a config.json dict as well
     if config.rope_scaling is not None:
         assert config.rope_scaling.original_max_position_embeddings == 16
+
+
+@pytest.mark.parametrize("kind", [dict(rope_type="yarn", factor=4.0),
+                                  dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0)], ids=["yarn", "llama3"])  # fmt: skip
+def test_config_json_top_level_original_context(kind):
+    """A config.json's own `original_max_position_embeddings` takes precedence over
+    `max_position_embeddings` for yarn and llama3, as transformers reads it (the dict had
+    taken 4096: frequencies up to 2x off); the frequencies equal transformers'."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = dict(vocab_size=10, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+               num_attention_heads=4, max_position_embeddings=4096, rope_theta=500000.0,
+               original_max_position_embeddings=512, rope_scaling=kind)  # fmt: skip
+    hf = transformers.LlamaConfig(**copy.deepcopy(cfg))  # (it edits nested dicts)
+    want = LlamaRotaryEmbedding(hf).inv_freq.double().numpy()
+    for source in (hf, cfg):
+        got = np.asarray(LlamaConfig.from_hf(source).rope.inv_freq(16), np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_logits_match_transformers(models):

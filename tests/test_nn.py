@@ -290,6 +290,23 @@ LLAMA = LlamaConfig(
     tie_word_embeddings=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["qk_norm", "fused_qkv"])
+def test_serving_over_a_duplicated_cache_matches_full_mode(fused_qkv):
+    """`shard_serving` duplicates each kv head of the cache when the kv heads are fewer
+    than the devices: the module repeats k and v to match, the fused projection too (it
+    had passed the projection whole, split with the cache's doubled kv-head count)."""
+    module = make_attention(qk_norm=not fused_qkv, fused_qkv=fused_qkv)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 6, D_MODEL)), jnp.float32)
+    meta = jaxattn.AttentionMetadata.from_lists([6], [6], [[0, 1]], 4, max_tokens=6,
+                                                max_seqs=1, max_pages=2)  # fmt: skip
+    cache = jaxattn.PagedKVCache.create(4, 4, HKV, D, jnp.float32)
+    cache = jaxattn.parallel.duplicate_kv_heads(cache, 2 * HKV)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(module(x))[0]
+        got, _ = module(x[0], cache=cache, meta=meta)
+    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+
+
 @pytest.mark.parametrize("fused_qkv", [False, True])
 def test_llama_step_matches_full_mode(fused_qkv):
     serve = functools.partial(jaxattn.paged_attention, implementation="xla")

@@ -109,7 +109,9 @@ class LlamaConfig:
         """From a transformers `LlamaConfig` (4.x or 5.x) or its config.json as a dict.
 
         Raises ValueError for what this model does not compute (an activation other than
-        SiLU, partial rotary) and NotImplementedError for an unknown `rope_type`.
+        SiLU, partial rotary) and NotImplementedError for an unknown `rope_type`. A
+        top-level `original_max_position_embeddings` takes precedence over the scaling
+        dict's for llama3 and yarn, as transformers reads it.
         """
 
         def get(name, default=None):
@@ -120,6 +122,10 @@ class LlamaConfig:
         if get("hidden_act", "silu") != "silu":
             raise ValueError(f"LlamaConfig.from_hf: hidden_act={get('hidden_act')!r}: need silu")
         rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type"))
+        original = get("original_max_position_embeddings")
+        if kind in ("llama3", "yarn") and original:  # the config's own wins, as in transformers
+            rope["original_max_position_embeddings"] = original
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"LlamaConfig.from_hf: {rope['partial_rotary_factor']=} != 1")
         num_q_heads = get("num_attention_heads")

@@ -207,12 +207,13 @@ class Attention(nnx.Module):
 
     def _serve(self, x, cache, meta):
         on_read = dict(rope_on_read=True) if self.rope_on_read else {}
-        if self.fused_qkv and self.q_norm is None:  # the op reads the projection in place
+        copies = cache.num_kv_heads // self.num_kv_heads
+        if self.fused_qkv and self.q_norm is None and copies == 1:  # the op reads the
+            # projection in place (a duplicated cache needs k and v repeated first)
             heads = self.num_q_heads + 2 * self.num_kv_heads
             q, k, v = self.qkv_proj(x).reshape(x.shape[0], heads, self.head_dim), None, None
         else:
             q, k, v = self.project_qkv(x)
-            copies = cache.num_kv_heads // self.num_kv_heads
             if copies > 1:  # a cache with each kv head duplicated (`shard_serving`)
                 k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
         out, cache = self.paged_attention_fn(
