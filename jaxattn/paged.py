@@ -78,9 +78,8 @@ class PagedAttentionConfig:
     gather_min_tokens: int = history.DEFAULT_MIN_TOKENS
 
     def __post_init__(self):
-        validation.check_config("PagedAttentionConfig: prefill", self.prefill, FlashPrefillConfig)
+        validation.check_paged_prefill("PagedAttentionConfig: prefill", self.prefill)
         validation.check_config("PagedAttentionConfig: decode", self.decode, PagedDecodeConfig)
-        validation.check_triton_prefill("PagedAttentionConfig: prefill", self.prefill)
         if self.gather_tokens is not None and self.gather_tokens < 0:
             raise ValueError(f"PagedAttentionConfig: gather_tokens={self.gather_tokens} < 0")
         if self.gather_min_tokens < 2:

@@ -12,7 +12,8 @@ from jax.core import Tracer
 
 from jaxattn.cache import PagedKVCache
 from jaxattn.positional import RelativeBias
-from pallas_kernels.common import use_interpret
+from pallas_kernels.common import check_config, use_interpret
+from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -26,15 +27,10 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
-def check_config(name: str, config, cls: type) -> None:
-    """`config` is None or a `cls` (a tiling of another kernel fails deep inside)."""
-    if config is not None and not isinstance(config, cls):
-        raise TypeError(f"{name}={config!r}: expected a {cls.__name__} or None")
-
-
-def check_triton_prefill(name: str, config) -> None:
-    """A `FlashPrefillConfig` for context rows over a paged cache, which the Triton kernel
-    alone runs: forcing the Hopper kernel there is an error, not ignored."""
+def check_paged_prefill(name: str, config) -> None:
+    """None or a `FlashPrefillConfig` for context rows over a paged cache, which the Triton
+    kernel alone runs: forcing the Hopper kernel there is an error, not ignored."""
+    check_config(name, config, FlashPrefillConfig)
     if config is not None and config.backend == "mosaic":
         raise ValueError(
             f"{name}.backend='mosaic': the Hopper kernel does not cover context rows over a "

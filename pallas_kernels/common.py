@@ -43,6 +43,13 @@ def use_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def check_config(name: str, config, cls: type) -> None:
+    """`config` is None or a `cls`; else a TypeError naming `name` (a tiling of another
+    kernel would fail deep inside)."""
+    if config is not None and not isinstance(config, cls):
+        raise TypeError(f"{name}={config!r}: expected a {cls.__name__} or None")
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -130,8 +130,7 @@ def multi_head_cache_attention(
     Data-dependent preconditions (monotone offsets, positions inside the page table and the
     cache) are checked by `check_inputs`, not here.
     """
-    validation.check_config("prefill_config", prefill_config, FlashPrefillConfig)
-    validation.check_triton_prefill("prefill_config", prefill_config)
+    validation.check_paged_prefill("prefill_config", prefill_config)
     validation.check_config("decode_config", decode_config, PagedDecodeConfig)
     options = _static(
         query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,

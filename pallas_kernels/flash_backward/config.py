@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.common import next_power_of_2
+from pallas_kernels.common import check_config, next_power_of_2
 from pallas_kernels.mosaic.config import BACKENDS, MosaicBackwardConfig
 
 _BLOCKS = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
@@ -52,8 +52,7 @@ class FlashBackwardConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"FlashBackwardConfig: backend={self.backend!r} not in {BACKENDS}")
-        if self.mosaic is not None and not isinstance(self.mosaic, MosaicBackwardConfig):
-            raise TypeError(f"FlashBackwardConfig: mosaic={self.mosaic!r}: a MosaicBackwardConfig")
+        check_config("FlashBackwardConfig: mosaic", self.mosaic, MosaicBackwardConfig)
         for name in _BLOCKS:
             size = getattr(self, name)
             if size is not None and not (size >= 16 and size & (size - 1) == 0):

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.common import next_power_of_2
+from pallas_kernels.common import check_config, next_power_of_2
 from pallas_kernels.flash_backward.config import FlashBackwardConfig, fill_tiles
 from pallas_kernels.mosaic.config import BACKENDS, MosaicForwardConfig
 
@@ -50,10 +50,8 @@ class FlashPrefillConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"FlashPrefillConfig: backend={self.backend!r} not in {BACKENDS}")
-        for name, cls in (("backward", FlashBackwardConfig), ("mosaic", MosaicForwardConfig)):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, cls):
-                raise TypeError(f"FlashPrefillConfig: {name}={value!r}: a {cls.__name__} or None")
+        check_config("FlashPrefillConfig: backward", self.backward, FlashBackwardConfig)
+        check_config("FlashPrefillConfig: mosaic", self.mosaic, MosaicForwardConfig)
         for name in ("block_q", "block_kv"):
             size = getattr(self, name)
             if size is not None and not (_is_power_of_2(size) and size >= 16):
