@@ -73,7 +73,7 @@ DEFAULT_SWEEP = (
 )  # fmt: skip
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+|h(?:[*/]\d+)?))?(?:r(\d+))?(c)?(s)?")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+|h(?:[*/]\d+)?))?(?:r(\d+))?(c)?(s)?(k)?")
 
 
 def parse_config(spec: str, heuristic):
@@ -87,7 +87,7 @@ def parse_config(spec: str, heuristic):
     match = _SPEC.fullmatch(spec)
     if not match:
         raise ValueError(f"{spec!r} is not BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s]")
-    block_kv, warps, stages, splits, rows, codes, stacked = match.groups()
+    block_kv, warps, stages, splits, rows, codes, stacked, k_words = match.groups()
     h = heuristic.num_splits
     if splits is None or splits == "h":
         splits = h
@@ -97,6 +97,7 @@ def parse_config(spec: str, heuristic):
     return PagedDecodeConfig(
         int(block_kv), int(splits), int(warps), int(stages), v_words=not codes,
         query_rows=int(rows) if rows else heuristic.query_rows, stacked=bool(stacked),
+        k_words=bool(k_words),
     )  # fmt: skip
 
 
@@ -112,7 +113,8 @@ def config_label(c) -> str:
     go through stacked rows (`PagedDecodeConfig.stacked`)."""
     rows = "" if c.query_rows == 16 else f"r{c.query_rows}"
     stacked = "s" if c.stacked else ""
-    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}{stacked}"
+    k_words = "k" if c.k_words else ""
+    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}{stacked}{k_words}"
 
 
 def _inputs(row: DecodeRow, heads, seed: int, copy: int = 0):

@@ -12,11 +12,13 @@ under 250 us run chained over the query sets). One line per tiling, also appende
         --formats int8:D,float8_e4m3fn:D,int8:8 --tilings 64x2x3,128x4x3
 
 Shapes are BxCONTEXT; formats DTYPE (per tensor), DTYPE:GROUP (per group) or DTYPE:D (one
-group a row); tilings BLOCK_KVxWARPSxSTAGES with the heuristic's split count, or
-BLOCK_KVxWARPSxSTAGESxSPLITS, either followed by "rROWS" to pad the query rows to ROWS
+group a row); --head-dim: D (128 unless given); tilings BLOCK_KVxWARPSxSTAGES with the
+heuristic's split count, or BLOCK_KVxWARPSxSTAGESxSPLITS, either followed by "rROWS" to
+pad the query rows to ROWS
 (`PagedDecodeConfig.query_rows`; the heuristic's otherwise), then by "c" to read V as
 codes rather than words (`PagedDecodeConfig.v_words`), then by "s" to apply group scales
-through stacked rows (`PagedDecodeConfig.stacked`; off otherwise).
+through stacked rows (`PagedDecodeConfig.stacked`; off otherwise), then by "k" to read INT4
+K as half-words (`PagedDecodeConfig.k_words`; off otherwise).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="64x16384,8x8192")
     parser.add_argument("--formats", default="int8,int8:8,int8:D,float8_e4m3fn:32,int4:32")
     parser.add_argument("--tilings", default="64x2x3,128x4x3")
+    parser.add_argument("--head-dim", type=int, default=HEADS[2])
     args = parser.parse_args()
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "probe.txt"), "a") as log:
         _probe(args, log)
@@ -53,11 +56,12 @@ def main() -> None:
 def _probe(args, log) -> None:
     for shape in args.shapes.split(","):
         batch, context = map(int, shape.split("x"))
-        inputs = QuantInputs.make(DecodeRow(batch, context), HEADS)
+        heads = (*HEADS[:2], args.head_dim, *HEADS[3:])
+        inputs = QuantInputs.make(DecodeRow(batch, context), heads)
         for spec in args.formats.split(","):
             cache = inputs.cache(_quant(spec))
             arg_sets = inputs.arg_sets(cache)
-            chosen = default_decode_config(cache, batch, context, HEADS[0] // HEADS[1])
+            chosen = default_decode_config(cache, batch, context, heads[0] // heads[1])
             configs = {"heuristic": chosen}
             for tiling in args.tilings.split(","):
                 configs[tiling] = parse_config(tiling, chosen)
@@ -68,7 +72,7 @@ def _probe(args, log) -> None:
             for (name, c), fn, timing in zip(configs.items(), fns.values(), timings, strict=True):
                 diff = float(jnp.max(jnp.abs(fn(*arg_sets[0]).astype(jnp.float32) - want)))
                 line = (
-                    f"B{batch} ctx{context} {spec:18s} {name:10s} "
+                    f"B{batch} ctx{context} D{args.head_dim} {spec:18s} {name:10s} "
                     f"{config_label(c)}: "
                     f"{timing.median_s * 1e3:.3f} ms, max |diff| vs heuristic {diff:.2g}"
                 )

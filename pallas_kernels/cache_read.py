@@ -406,7 +406,8 @@ def word_part_scales(v_scale):
 
 
 def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
-                 asm: bool = False, unscaled: bool = False):  # fmt: skip
+                 asm: bool = False, unscaled: bool = False, kv: int = 1,
+                 biased: bool = False):  # fmt: skip
     """A V tile of `block` tokens read as words from `ref` (the V pool viewed as
     `[..., D / 4]` words of four codes: int32 for 8-bit codes, int16 for INT4): four parts
     `[block, D / 4]` of `dtype`, holding the channels `v_word_columns` says, dequantized
@@ -422,11 +423,12 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     pairs two tokens' codes (H100, B64 ctx16384: INT8 per tensor 0.81 -> 0.77 ms, groups
     of 8 1.16 -> 0.98; bench/HISTORY.md, probes of 2026-11-26 09:32-09:41 UTC)."""
     entries, kvh, offsets = at
-    index = fmt.layout.index(ref, entries, offsets, kvh, 1)
+    index = fmt.layout.index(ref, entries, offsets, kvh, kv)
     width = head_dim // 4
     raw = plgpu.load(ref.at[(*index, jnp.arange(width)[None, :])], mask=t_ok[:, None], other=0)
     if fmt.factored(head_dim) or unscaled:  # the codes' values; the caller applies the scales
-        return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm and dtype == jnp.bfloat16))
+        asm = asm and dtype == jnp.bfloat16
+        return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm, biased=biased))
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
     parts = words_to_values(raw, fmt.dtype, exact, asm=asm and exact == jnp.bfloat16)
     if fmt.dtype == "int4":  # a half-word's two channels share a group: g / 2 words a scale

@@ -31,6 +31,8 @@ both).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
@@ -169,25 +171,30 @@ def _word_fp8(c: int) -> str:  # the two codes c into the high bytes of the two 
                     (f"0x{4 + c}{4 + c}{c}{c}",))  # fmt: skip
 
 
-def _word_int4(c: int) -> str:
+def _word_int4(c: int, biased: bool = False) -> str:
     """Two half-words packed in $1 (bytes 0-1: the first token's, 2-3: the second's): nibble
     c of each (bits 8 (c % 2) + 4 (c // 2) of its half-word) shifted to the bottom of its
-    lane, where the INT4 step's mask keeps it (no byte permute: the lanes line up)."""
+    lane, where the INT4 step's mask keeps it (no byte permute: the lanes line up);
+    `biased`: the values plus INT4_BIAS."""
     shift = 8 * (c % 2) + 4 * (c // 2)
     source, prelude = ("$1", "") if shift == 0 else ("y", f"shr.b32 y, $1, {shift};")
-    return _program(_INT4_CONSTANTS, _int4_lanes(source), ("",), prelude=prelude)
+    return _program(_INT4_CONSTANTS, _int4_lanes(source, biased), ("",), prelude=prelude)
 
 
 _WORD_PROGRAMS = {"int8": _word_int8, "float8_e4m3fn": _word_fp8, "int4": _word_int4}
 
 
-def words_to_values(words, code: str, dtype, *, asm: bool) -> list:
+def words_to_values(words, code: str, dtype, *, asm: bool, biased: bool = False) -> list:
     """Words `[block, Dw]` of four codes each (`code`: int32 words of int8 or float8_e4m3fn,
     int16 half-words of int4 nibbles) -> four tiles `[block, Dw]` of `dtype`, part c
     holding each word's code c (module note above); every value exact. asm: the packed
     PTX conversion (GPU, `dtype` bfloat16); else shifts and one cast a part (interpret
-    mode, and float16 / float32 queries)."""
+    mode, and float16 / float32 queries). biased: INT4 only, the values plus INT4_BIAS."""
+    if biased and code != "int4":
+        raise ValueError(f"words_to_values: biased values are INT4's, not {code}'s")
     program = _WORD_PROGRAMS[code]
+    if biased:
+        program = functools.partial(program, biased=True)
     if asm:
         if dtype != jnp.bfloat16:
             raise ValueError(f"words_to_values: the PTX conversion gives bfloat16, not {dtype}")
@@ -207,7 +214,7 @@ def words_to_values(words, code: str, dtype, *, asm: bool) -> list:
     for c in range(4):
         if code == "int4":
             nibble = (wide >> (8 * (c % 2) + 4 * (c // 2))) & 0xF
-            parts.append(((nibble ^ 8) - 8).astype(dtype))
+            parts.append(((nibble ^ 8) + ((INT4_BIAS if biased else 0) - 8)).astype(dtype))
             continue
         byte = (wide >> (8 * c)) & 0xFF
         if code == "int8":

@@ -85,15 +85,15 @@ def test_packed_conversion_lowers_to_triton(dtype):
     assert "triton" in text.lower()
 
 
-def _words_kernel(words_ref, *out_refs, dtype, asm):
-    values = words_to_values(words_ref[...], dtype, jnp.bfloat16, asm=asm)
+def _words_kernel(words_ref, *out_refs, dtype, asm, biased):
+    values = words_to_values(words_ref[...], dtype, jnp.bfloat16, asm=asm, biased=biased)
     for ref, part in zip(out_refs, values, strict=True):
         ref[...] = part
 
 
-def convert_words(words, dtype: str, *, asm: bool, interpret: bool):
+def convert_words(words, dtype: str, *, asm: bool, interpret: bool, biased: bool = False):
     return whole_array_call(
-        functools.partial(_words_kernel, dtype=dtype, asm=asm),
+        functools.partial(_words_kernel, dtype=dtype, asm=asm, biased=biased),
         [words],
         [jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)] * 4,
         grid=(1,),
@@ -137,6 +137,17 @@ def test_every_code_converts_exactly_from_words(dtype):
         g = np.asarray(g, np.float32)
         keep = ~nan[:, :, c] if dtype == "float8_e4m3fn" else np.ones_like(g, bool)
         np.testing.assert_array_equal(g[keep], want[keep], f"{dtype} part {c}")
+
+
+def test_every_int4_code_converts_exactly_from_words_biased():
+    """INT4 half-words read biased (the decode kernel's keys read as words): part c holds
+    nibble c of every half-word plus INT4_BIAS, exactly; other codes refuse the bias."""
+    got = convert_words(as_words("int4"), "int4", asm=util.ON_GPU, interpret=not util.ON_GPU,
+                        biased=True)  # fmt: skip
+    for c, (g, want) in enumerate(zip(got, expected_words("int4"), strict=True)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), want + INT4_BIAS, f"part {c}")
+    with pytest.raises(ValueError, match="biased"):
+        words_to_values(as_words("int8"), "int8", jnp.bfloat16, asm=False, biased=True)
 
 
 @pytest.mark.parametrize("dtype", list(WORD_DTYPES))

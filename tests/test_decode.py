@@ -224,7 +224,7 @@ def test_decode_heuristic_int4_splits_need_half_words():
         ("float8_e4m3fn", 32, (128, 4, 4)),
         ("int8", 32, (128, 4, 3)),
         ("float8_e4m3fn", 16, (128, 4, 3)),
-        ("int4", 8, (128, 4, 3)),
+        ("int4", 8, (128, 4, 4)),  # K read as half-words, 4 stages
         ("int4", 0, (128, 4, 3)),
     ],
 )
@@ -238,6 +238,22 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
     assert (config.block_kv, config.num_warps, config.num_stages) == want
     few = heuristic(8, 8, 8192, 16)
     assert (few.block_kv, few.num_warps, few.num_stages) == (128, 4, 3)
+
+
+def test_decode_heuristic_int4_keys_as_words():
+    """INT4 per tensor, one scale a row and groups of 16 read K as half-words (where V is
+    read as words), groups of 8 with >= one program per SM (B64 8 kv heads, not B8);
+    groups of 32 (stacked rows at D 128) and 64 read K as bytes, as do the 8-bit formats
+    (the config's `k_words` applies to INT4 alone)."""
+    heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
+                                  head_dim=128, query_group=4)  # fmt: skip
+    for shape in ((64, 8, 16384, 16), (8, 8, 8192, 16)):
+        for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False)):
+            config = heuristic(*shape, code="int4", group_size=group_size, row_scales=row_scales)
+            assert config.k_words == (group_size != 8 or shape[0] == 64), (shape, group_size)
+            assert not heuristic(*shape, code="int4", group_size=group_size, v_words=False).k_words
+        for code, group_size in (("int4", 32), ("int4", 64), ("int8", 8), ("int8", 0)):
+            assert not heuristic(*shape, code=code, group_size=group_size).k_words, code
 
 
 @pytest.mark.parametrize("batch, context", [(64, 16384), (8, 8192)])
@@ -419,19 +435,28 @@ def test_quantized_decode_v_words(quant):
     rows, applied to logits and probabilities: INT4 groups of 16 are two a half row, as
     groups of 32 at D 128; INT4 groups of 32 are one a half row, factored), with and
     without splits (on a GPU also as codes; on CPU the codes path runs in the default head
-    dim's cases, 32, where words do not apply). The words path runs when asked: the
-    kernel then takes the V pool as words."""
+    dim's cases, 32, where words do not apply; INT4 also with K read as half-words). The
+    words path runs when asked: the kernel then takes the V pool as words, and with
+    `k_words` the INT4 K pool too."""
     scales = dict(k_scale=1.0, v_scale=1.0) if quant.granularity == "tensor" else {}
     cache = jaxattn.PagedKVCache.create(4, 8, 2, 64, quant=quant, **scales)
     q = jnp.zeros((1, NUM_Q_HEADS, 64), jnp.float32)
     tables, lens = jnp.arange(4, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
-    for v_words in (True, False):
-        config = jaxattn.PagedDecodeConfig(16, 1, v_words=v_words)
+    word = "int16" if quant.dtype == "int4" else "int32"
+    k_words = quant.dtype == "int4"
+    for v_words, k, views in ((True, False, 1), (False, False, 0), (True, True, 1 + k_words)):
+        config = jaxattn.PagedDecodeConfig(16, 1, v_words=v_words, k_words=k)
         decode = functools.partial(jaxattn.paged_decode, implementation="pallas", config=config)
         text = str(jax.make_jaxpr(decode)(q, cache, tables, lens))
-        word = "int16" if quant.dtype == "int4" else "int32"
-        assert (f"bitcast_convert_type[new_dtype={word}" in text) == v_words
+        assert text.count(f"bitcast_convert_type[new_dtype={word}") == views, (v_words, k)
     _quantized_decode_vs_oracle(quant, "float32", "pallas", 64)
+
+
+def test_int4_keys_as_words_biased():
+    """INT4 with one scale a row, bf16 queries, K read as half-words: the keys are read
+    biased (`n + INT4_BIAS`, the bias times the sum of the query row taken off the
+    logits), against the float64 oracle."""
+    _quantized_decode_vs_oracle(jaxattn.KVQuant("int4", "group", None), "bfloat16", "pallas", 64)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -520,12 +545,14 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap
     # the default head dim, 32, where they do not); xla: one run.
     fmt = cache_format(cache)
     # (splits, V read as words where the format allows, query rows, stacked rows: where
-    # the format allows, `paged_decode.stacked`)
-    runs = [(1, True, 16, False), (2, True, 8, False)] + [(2, True, 4, True)] * stacks(fmt, d)
-    runs += [(2, False, 4, False)] * (reads_v_words(fmt, d) and util.ON_GPU)
+    # the format allows, `paged_decode.stacked`; INT4 K read as words, where V is)
+    runs = [(1, True, 16, False, False), (2, True, 8, False, False)]
+    runs += [(2, True, 4, True, False)] * stacks(fmt, d)
+    runs += [(2, False, 4, False, False)] * (reads_v_words(fmt, d) and util.ON_GPU)
+    runs += [(3, True, 8, False, True)] * (fmt.dtype == "int4" and reads_v_words(fmt, d))
     configs = [
-        jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r, stacked=st)
-        for n, w, r, st in runs
+        jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r, stacked=st, k_words=kw)
+        for n, w, r, st, kw in runs
     ]
     for config in [None] if impl != "pallas" or heuristic else configs:
         out = jaxattn.paged_decode(

@@ -230,13 +230,14 @@ def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("read", ["codes", "words", "stacked"])
+@pytest.mark.parametrize("read", ["codes", "words", "stacked", "k_words"])
 def test_v_words_lower_to_triton(quant, q_dtype, read):
     """V read as words (PTX for bf16 queries, shifts and casts for the others) or as codes;
-    group scales per value or through stacked rows (`paged_decode.stacked`)."""
+    group scales per value or through stacked rows (`paged_decode.stacked`); INT4 K read
+    as half-words too (`k_words`; other formats ignore it)."""
     config = jaxattn.PagedDecodeConfig(
         block_kv=64, num_splits=2, v_words=read != "codes", stacked=read == "stacked",
-        query_rows=4 if read == "stacked" else 16,
+        query_rows=4 if read == "stacked" else 16, k_words=read == "k_words",
     )  # fmt: skip
     fn = jax.jit(
         lambda q, cache, tables, lengths: jaxattn.paged_decode(

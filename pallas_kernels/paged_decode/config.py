@@ -20,6 +20,8 @@ _FEW_ROWS = 8  # query rows of the formats `few_rows` names
 _FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
 _STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic takes
 _SHORT_STACKED_DIM = 64  # up to this head dim, < one program an SM keeps per-value scales
+_K_WORD_GROUPS = (0, 8, 16)  # INT4 group sizes (0: per tensor, one a row) reading K as words
+# (groups of 8 with >= one program per SM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,10 @@ class PagedDecodeConfig:
         (`paged_decode.stacked`: one row block per group, the scales multiplying logits and
         probabilities) rather than per cached value; with V read as words, no rope on read
         (`paged_decode.stacked.stacks`); ignored otherwise.
+      k_words: INT4 caches read K as 16-bit half-words as well (with `v_words`), the query
+        loaded in the same four parts of strided channels: a shift and a logic operation
+        a value pair, where K read as bytes also takes a byte permute. Ignored for other
+        formats, with stacked rows and with rope on read.
     """
 
     block_kv: int = 64
@@ -52,6 +58,7 @@ class PagedDecodeConfig:
     v_words: bool = True
     query_rows: int = 16
     stacked: bool = False
+    k_words: bool = False
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -132,6 +139,16 @@ class PagedDecodeConfig:
           against 0.598; B8 ctx8192 up to 18% faster, groups of 64 equal; 64x2x3, 64x4x3
           and 128x4x4 tilings as fast or slower but for groups of 64 in 4 stages, 1%
           faster). (32-bit words of eight nibbles, in eight parts, ran 1.4-6x slower.)
+          INT4 per tensor, one scale a row and groups of 16 read K as half-words too
+          (`k_words`), groups of 8 with >= one program per SM (probes of 2026-11-27
+          03:47-03:52 UTC, bench/HISTORY.md; B64 ctx16384 against K read as bytes: per
+          tensor 0.408-0.412 against 0.439-0.446 ms, one a row 0.454 against 0.472 (its
+          keys then read biased), groups of 16 0.588 against 0.605, groups of 8 in 4
+          stages 0.632-0.638 against 0.675; B8 ctx8192 0.035 / 0.039 / 0.050 against
+          0.037 / 0.041 / 0.053 ms, groups of 8 there 0.053-0.058 against 0.051; head
+          dims 64 and 256 alike, 2-22% faster, probe of 04:01 UTC). Groups of 64 (one a
+          half row) ran 13% slower so, and groups of 32 stay on stacked rows (0.511
+          against 0.555 ms).
           `v_words`: whether this cache's V can be read as words (`reads_v_words`: D / 4
           a power of two >= 16, and scales that a word's codes share). Where it cannot,
           INT8 with one scale a row keeps 64-token blocks in 2 warps, 9-13% faster with
@@ -192,7 +209,11 @@ class PagedDecodeConfig:
                 return cls(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
         if code == "int8" and row_scales and not words:
             return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
-        return cls(block_kv, splits, num_warps=4, num_stages=3, query_rows=rows)
+        k_words = code == "int4" and v_words and group_size in _K_WORD_GROUPS
+        if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
+            k_words = k_words and programs >= sm_count
+        stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3
+        return cls(block_kv, splits, 4, stages, query_rows=rows, k_words=k_words)
 
     @classmethod
     def for_format(

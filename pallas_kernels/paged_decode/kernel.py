@@ -17,6 +17,8 @@ busy programs finish together, and a short row's surplus programs exit at once.
 Quantized caches may have V read as words of four codes (`config.v_words`,
 `cache_read.read_v_words`; 32-bit words of INT8 / FP8, 16-bit half-words of INT4): the PV
 dot then runs in four parts of strided channels, and the output is stored part by part.
+INT4 may read K as half-words too (`config.k_words`): q is then loaded in the same four
+parts of strided channels, and the logits are the sum of four dots.
 Their group scales may be applied through stacked query rows (`config.stacked`,
 `stacked.py`: a row block per group, the scales on logits and probabilities) rather than
 per cached value.
@@ -112,6 +114,7 @@ def _paged_decode_kernel(
     num_splits: int,
     interpret: bool,
     v_words: bool,
+    k_words: bool,
     biased_keys: bool,
     stacked: bool,
 ):
@@ -143,13 +146,16 @@ def _paged_decode_kernel(
     row_ok = g < group
     heads = kvh * group + g  # [rows] query heads of this kv group
 
-    def query_part(cols):  # [rows, Pd]: this group's query heads at columns `cols` [1, Pd]
+    def query_part(cols, ok):  # [rows, W]: this group's query heads at columns `cols` [1, W]
         if has_q_rope:
-            return rope_read.rotated_query_rows(q_ref, q_rope_refs, b, heads, row_ok, cols, dim_ok)
-        return plgpu.load(q_ref.at[b, heads[:, None], cols], mask=row_ok[:, None] & dim_ok,
+            return rope_read.rotated_query_rows(q_ref, q_rope_refs, b, heads, row_ok, cols, ok)
+        return plgpu.load(q_ref.at[b, heads[:, None], cols], mask=row_ok[:, None] & ok,
                           other=0.0)  # fmt: skip
 
-    q = tuple(query_part(p * part_dim + dims[None, :]) for p in range(fmt.parts))
+    if k_words:  # K read as words: q in the word parts' strided channels
+        q = tuple(query_part(cols, True) for cols in v_word_columns(fmt, head_dim))
+    else:
+        q = tuple(query_part(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts))
     ctx = ctx_ref[b]
     pos = ctx - 1  # the query's position
     cached = cached_tokens(ctx, has_new)
@@ -179,14 +185,17 @@ def _paged_decode_kernel(
     n_groups = stacked_rows.groups(fmt, head_dim) if stacked else 1
     if stacked:  # each part's query rows once per group (`stacked`): `[n * rows, Pd]`
         q = tuple(stacked_rows.stack_queries(qp, fmt.group_size, n_groups) for qp in q)
-    # `biased_keys` (INT4 with a scale per half row, or stacked rows; bf16 queries): keys
-    # read as `n + INT4_BIAS`, no FMA a value pair; the logits of (stacked) query row r of
-    # part p are then q_r . (k_p + bias), and `bias * sum(q_r)` comes off them before their
-    # scale. H100, B64 ctx16384 (probe of 2026-11-26 13:22 UTC, bench/HISTORY.md): 0.601
-    # against 0.649 ms, B8 ctx8192 0.054 against 0.060; per tensor and one scale a row ran
-    # 1-7% slower so (0.437 / 0.528 against 0.431 / 0.492 ms), and keep the FMA. Only the
-    # PTX conversion saves the FMA; float16 / float32 queries, whose casts cost the same
-    # either way, keep the exact values (the subtraction loses float32 digits).
+    # `biased_keys` (INT4 with a scale per half row, or stacked rows, or one scale a row with
+    # K read as half-words; bf16 queries): keys read as `n + INT4_BIAS`, no FMA a value
+    # pair; the logits of (stacked) query row r of part p are then q_r . (k_p + bias), and
+    # `bias * sum(q_r)` comes off them before their scale. H100, B64 ctx16384 (probe of
+    # 2026-11-26 13:22 UTC, bench/HISTORY.md): 0.601 against 0.649 ms, B8 ctx8192 0.054
+    # against 0.060. Per tensor, and one scale a row with K read as bytes, ran 1-7% slower
+    # so (0.437 / 0.528 against 0.431 / 0.492 ms) and keep the FMA; with K read as
+    # half-words one scale a row runs faster biased (0.454 against 0.493 ms, per tensor
+    # 0.432 against 0.408; probe of 2026-11-27 03:50 UTC). Only the PTX conversion saves
+    # the FMA; float16 / float32 queries, whose casts cost the same either way, keep the
+    # exact values (the subtraction loses float32 digits).
     q_bias = None
     if biased_keys:
         q_bias = [INT4_BIAS * jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q]
@@ -232,13 +241,19 @@ def _paged_decode_kernel(
             read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret,
             unscaled=stacked,
         )  # fmt: skip
-        k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
+        if k_words:
+            k = read_v_words(k_ref, fmt, at, t_ok, head_dim, dtype, k_scales, asm=not interpret,
+                             kv=0, biased=biased_keys)  # fmt: skip
+        else:
+            k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
         k_scale = v_scale = part_scales = None
         if factored:  # scales factored out of the tiles: they scale logits and probabilities
             k_scale = factored_scales(k_scale_ref, k_scales, t_ok)  # [block_kv], or per part
             v_scale = factored_scales(v_scale_ref, v_scales, t_ok)
             if fmt.part_scales(head_dim):  # each part's logits by its own
                 part_scales, k_scale = k_scale, None
+                if k_words:
+                    part_scales = word_part_scales(part_scales)
         if has_rope:
             s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision,
                                         part_scales=part_scales, **rope_at)  # fmt: skip
@@ -526,11 +541,18 @@ def paged_decode(
         aliases = {3: 2, 4: 3}
     v_words = config.v_words and reads_v_words(fmt, head_dim)
     stacked = config.stacked and v_words and rope is None and stacked_rows.stacks(fmt, head_dim)
-    int4_factored = fmt.dtype == "int4" and (fmt.part_scales(head_dim) or stacked)
-    biased_keys = int4_factored and rope is None and q.dtype == jnp.bfloat16
+    k_words = config.k_words and v_words and fmt.dtype == "int4" and not stacked and rope is None
+    biased_keys = (
+        fmt.dtype == "int4"
+        and rope is None
+        and q.dtype == jnp.bfloat16
+        and (fmt.part_scales(head_dim) or stacked or (k_words and fmt.one_group_a_row))
+    )
     if v_words:  # V pool viewed as words of four codes: a bitcast on XLA:GPU, but XLA:CPU
         # (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
         inputs[4] = v_word_view(v_pages, fmt)
+    if k_words:
+        inputs[3] = v_word_view(k_pages, fmt)
     kernel = functools.partial(
         _paged_decode_kernel,
         params=params,
@@ -550,6 +572,7 @@ def paged_decode(
         num_splits=splits,
         interpret=interpret,
         v_words=v_words,
+        k_words=k_words,
         biased_keys=biased_keys,
         stacked=stacked,
     )
