@@ -244,13 +244,14 @@ def test_decode_heuristic_int4_keys_as_words():
     """INT4 per tensor, one scale a row and groups of 16 read K as half-words (where V is
     read as words), groups of 8 with >= one program per SM (B64 8 kv heads, not B8);
     groups of 32 (stacked rows at D 128) and 64 read K as bytes, as do the 8-bit formats
-    (the config's `k_words` applies to INT4 alone)."""
+    (the config's `k_words` applies to INT4 alone). Groups of 16 then pad to 4 query rows."""
     heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                   head_dim=128, query_group=4)  # fmt: skip
     for shape in ((64, 8, 16384, 16), (8, 8, 8192, 16)):
         for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False)):
             config = heuristic(*shape, code="int4", group_size=group_size, row_scales=row_scales)
             assert config.k_words == (group_size != 8 or shape[0] == 64), (shape, group_size)
+            assert (config.query_rows == 4) == (group_size == 16), (shape, group_size)
             assert not heuristic(*shape, code="int4", group_size=group_size, v_words=False).k_words
         for code, group_size in (("int4", 32), ("int4", 64), ("int8", 8), ("int8", 0)):
             assert not heuristic(*shape, code=code, group_size=group_size).k_words, code
@@ -259,11 +260,11 @@ def test_decode_heuristic_int4_keys_as_words():
 @pytest.mark.parametrize("batch, context", [(64, 16384), (8, 8192)])
 def test_decode_heuristic_query_rows(batch, context):
     """Query rows padded to 8 for INT4 with group scales and 8-bit groups of 8, 16 or 64;
-    to 16 otherwise (`few_rows`)."""
+    to 16 otherwise (`few_rows`); but INT4 groups of 16, K read as half-words, to 4."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, batch, 8, context, 16, sm_count=132
     )
-    eight = [dict(code="int4", group_size=g) for g in (8, 16, 32, 64)]
+    eight = [dict(code="int4", group_size=g) for g in (8, 32, 64)]
     eight += [dict(code="int4", row_scales=True)]
     eight += [dict(code=c, group_size=g) for c in ("int8", "float8_e4m3fn") for g in (8, 16, 64)]
     sixteen = [dict(), dict(code="int4"), dict(code="int8"), dict(code="float8_e4m3fn")]
@@ -271,6 +272,8 @@ def test_decode_heuristic_query_rows(batch, context):
     sixteen += [dict(code="float8_e4m3fn", group_size=32)]
     assert [heuristic(**x).query_rows for x in eight] == [8] * len(eight)
     assert [heuristic(**x).query_rows for x in sixteen] == [16] * len(sixteen)
+    assert heuristic(code="int4", group_size=16).query_rows == 4
+    assert heuristic(code="int4", group_size=16, v_words=False).query_rows == 8
 
 
 def test_decode_heuristic_stacked_groups():
@@ -356,7 +359,7 @@ def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
         ("int8", None, 64, (128, 4, 3, 16, False)),
         ("int8", None, 32, (64, 2, 3, 16, False)),
         ("int4", 16, 64, (128, 4, 3, 4, True)),
-        ("int4", 16, 128, (128, 4, 3, 8, False)),
+        ("int4", 16, 128, (128, 4, 3, 4, False)),  # K read as half-words
     ):
         q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")
         quant = jaxattn.KVQuant(dtype, "group", group_size)

@@ -22,6 +22,7 @@ _STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic t
 _SHORT_STACKED_DIM = 64  # up to this head dim, < one program an SM keeps per-value scales
 _K_WORD_GROUPS = (0, 8, 16)  # INT4 group sizes (0: per tensor, one a row) reading K as words
 # (groups of 8 with >= one program per SM)
+_FOUR_ROW_GROUP = 16  # INT4 groups of 16, K read as half-words: 4 query rows on our pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +147,11 @@ class PagedDecodeConfig:
           keys then read biased), groups of 16 0.588 against 0.605, groups of 8 in 4
           stages 0.632-0.638 against 0.675; B8 ctx8192 0.035 / 0.039 / 0.050 against
           0.037 / 0.041 / 0.053 ms, groups of 8 there 0.053-0.058 against 0.051; head
-          dims 64 and 256 alike, 2-22% faster, probe of 04:01 UTC). Groups of 64 (one a
-          half row) ran 13% slower so, and groups of 32 stay on stacked rows (0.511
-          against 0.555 ms).
+          dims 64 and 256 alike, 2-22% faster, probe of 04:01 UTC). Groups of 16 so pad
+          their query rows to 4, not 8 (probes of 04:08-04:10 UTC: B64 ctx16384 0.550
+          against 0.596 ms, B32 ctx16384 0.292 against 0.322, B8 ctx8192 0.047 against
+          0.049). Groups of 64 (one a half row) ran 13% slower with K as half-words, and
+          groups of 32 stay on stacked rows (0.511 against 0.555 ms).
           `v_words`: whether this cache's V can be read as words (`reads_v_words`: D / 4
           a power of two >= 16, and scales that a word's codes share). Where it cannot,
           INT8 with one scale a row keeps 64-token blocks in 2 warps, 9-13% faster with
@@ -213,6 +216,8 @@ class PagedDecodeConfig:
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and programs >= sm_count
         stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3
+        if k_words and group_size == _FOUR_ROW_GROUP and pages:
+            rows = 4
         return cls(block_kv, splits, 4, stages, query_rows=rows, k_words=k_words)
 
     @classmethod
