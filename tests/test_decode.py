@@ -525,15 +525,19 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap
     scales = dict(k_scale=0.03, v_scale=0.025) if quant.granularity == "tensor" else {}
     cache = jaxattn.PagedKVCache.create(num_pages, page, hkv, d, quant=quant, **scales)
     garbage = util.randn(rng, (num_pages * page, hkv, d), scale=50.0)
-    cache = jaxattn.write_kv(cache, garbage, -garbage, jnp.arange(num_pages * page))
+    # Under jit (here and below): eager calls compile op by op.
+    write = jax.jit(jaxattn.write_kv)
+    cache = write(cache, garbage, -garbage, jnp.arange(num_pages * page))
     slots = np.concatenate([tables[b, np.arange(n) // page] * page + np.arange(n) % page
                             for b, n in enumerate(lengths)])  # fmt: skip
     k, v = (util.randn(rng, (len(slots), hkv, d)) for _ in range(2))
-    cache = jaxattn.write_kv(cache, k, v, jnp.asarray(slots, jnp.int32))
+    cache = write(cache, k, v, jnp.asarray(slots, jnp.int32))
     q = util.randn(rng, (batch, NUM_Q_HEADS, d), dtype)
     tables, lens = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
     # The oracle's K/V: the dequantized history, rounded to q's dtype as the kernel does.
-    k_hist, v_hist = jaxattn.gather_kv(cache, tables, lens, max_pages * page)
+    k_hist, v_hist = jax.jit(jaxattn.gather_kv, static_argnums=3)(
+        cache, tables, lens, max_pages * page
+    )
     k_hist, v_hist = (util.f64(x.astype(dtype)) for x in (k_hist, v_hist))
     options = dict(window=40, sink_tokens=18, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS),
                    soft_cap=soft_cap)  # fmt: skip
@@ -558,9 +562,10 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap
         for n, w, r, st, kw in runs
     ]
     for config in [None] if impl != "pallas" or heuristic else configs:
-        out = jaxattn.paged_decode(
-            q, cache, tables, lens, implementation=impl, config=config, **options
-        )
+        out = util.jit_call(jaxattn.paged_decode, q, cache, tables, lens,
+                            static=dict(implementation=impl, config=config, window=40,
+                                        sink_tokens=18, soft_cap=soft_cap),
+                            alibi_slopes=options["alibi_slopes"])  # fmt: skip
         util.assert_out_close(out, want, dtype, lowp_ref=lowp, what=f"{quant} {config}")
 
 
@@ -598,10 +603,21 @@ WRITE_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("rope", [None, jaxattn.RoPE(theta=50.0, style="gptj", rotary_dim=16)],
-                         ids=["no_rope", "gptj_partial"])  # fmt: skip
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("case", WRITE_CASES, ids=str)
+ROPES = {"no_rope": None, "gptj_partial": jaxattn.RoPE(theta=50.0, style="gptj", rotary_dim=16)}
+
+
+def _write_runs():
+    """case x splits x rope on a GPU; in interpret mode pairwise (6 of the 12): the 1st
+    and 3rd cases run (1 split, no rope) and (3, gptj), the 2nd (1, gptj) and (3, no
+    rope): each case with both split counts and both ropes, every (splits, rope) pair."""
+    runs = [(c, n, r) for c in WRITE_CASES for n in (1, 3) for r in ROPES]
+    if not util.ON_GPU:
+        runs = [(c, n, r) for c, n, r in runs
+                if (n == 3) ^ (r == "no_rope") ^ (WRITE_CASES.index(c) % 2 == 1)]  # fmt: skip
+    return [pytest.param(c, n, ROPES[r], id=f"{c}-{n}-{r}") for c, n, r in runs]
+
+
+@pytest.mark.parametrize("case, splits, rope", _write_runs())
 def test_kernel_writes_the_new_token(case, splits, rope):
     """`new_kv`: each row's last token comes as an input (its slot in the pools still
     poisoned), is attended from there (k rotated as q) and stored at its slot; a real row
