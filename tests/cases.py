@@ -361,7 +361,9 @@ def call(packed: bool, impl, q, k, v, inp: Inputs, *, return_lse: bool, config=N
             fn, **static, return_lse=return_lse, implementation=impl, config=config
         )
     run = lambda q, k, v, positional, arrays: fn(q, k, v, *positional, **arrays)  # noqa: E731
-    return (jax.jit(run) if jit else run)(q, k, v, inp.positional, arrays)
+    if jit:
+        run = jax.jit(run, compiler_options=util.FAST_COMPILE)
+    return run(q, k, v, inp.positional, arrays)
 
 
 def check_case(case, impl, dtype, *, head_dim=None, poison="huge", config="default", jit=True):

@@ -335,7 +335,7 @@ def test_ring_fork_beams_diverge_over_ring_wraps(impl, fork_at):
     )
     opts = dict(window=WINDOW, sink_tokens=SINKS)
 
-    @jax.jit
+    @jax.jit(compiler_options=util.FAST_COMPILE)
     def step(mgr, cache, seq_ids, lengths, q_lens, q, k, v):
         mgr, ok = mgr.reserve(seq_ids, lengths)
         meta = jaxattn.AttentionMetadata.build(mgr, seq_ids, q_lens, max_tokens)
@@ -439,7 +439,8 @@ def test_decode_with_indirection_equals_gathered_histories(impl, width, lengths,
             lambda q, cache, tables, lens, ind, config=config: jaxattn.paged_decode(
                 q, cache, tables, lens, cache_indirection=ind, alibi_slopes=slopes,
                 return_lse=True, implementation=impl, config=config, **opts,
-            )
+            ),
+            compiler_options=util.FAST_COMPILE,
         )(q, cache, tables, lens, ind)  # fmt: skip
         util.assert_out_close(out, want[:, 0], "float32", what=f"{impl} {config}")
         util.assert_lse_close(lse, want_lse[:, :, 0], "float32")

@@ -123,7 +123,8 @@ def test_decode_vs_oracle(case, dtype, impl):
             lambda q, cache, tables, lengths, config=config: jaxattn.paged_decode(
                 q, cache, tables, lengths, return_lse=True, implementation=impl,
                 config=config, **_options(case),
-            )
+            ),
+            compiler_options=util.FAST_COMPILE,
         )(q, cache, tables, lengths)  # fmt: skip
         if dtype == "float32":
             util.assert_out_close(out, want, dtype, what=f"out ({config})")
@@ -526,7 +527,7 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap
     cache = jaxattn.PagedKVCache.create(num_pages, page, hkv, d, quant=quant, **scales)
     garbage = util.randn(rng, (num_pages * page, hkv, d), scale=50.0)
     # Under jit (here and below): eager calls compile op by op.
-    write = jax.jit(jaxattn.write_kv)
+    write = jax.jit(jaxattn.write_kv, compiler_options=util.FAST_COMPILE)
     cache = write(cache, garbage, -garbage, jnp.arange(num_pages * page))
     slots = np.concatenate([tables[b, np.arange(n) // page] * page + np.arange(n) % page
                             for b, n in enumerate(lengths)])  # fmt: skip
@@ -535,9 +536,9 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap
     q = util.randn(rng, (batch, NUM_Q_HEADS, d), dtype)
     tables, lens = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
     # The oracle's K/V: the dequantized history, rounded to q's dtype as the kernel does.
-    k_hist, v_hist = jax.jit(jaxattn.gather_kv, static_argnums=3)(
-        cache, tables, lens, max_pages * page
-    )
+    k_hist, v_hist = jax.jit(
+        jaxattn.gather_kv, static_argnums=3, compiler_options=util.FAST_COMPILE
+    )(cache, tables, lens, max_pages * page)
     k_hist, v_hist = (util.f64(x.astype(dtype)) for x in (k_hist, v_hist))
     options = dict(window=40, sink_tokens=18, alibi_slopes=jaxattn.alibi_slopes(NUM_Q_HEADS),
                    soft_cap=soft_cap)  # fmt: skip
@@ -661,7 +662,8 @@ def test_kernel_writes_the_new_token(case, splits, rope):
     rows = 16 if splits == 1 else 4  # query rows: 16, or the group's own 4 (mqa: 8)
     config = jaxattn.PagedDecodeConfig(16, splits, query_rows=rows)
     out, lse, k_after, v_after = jax.jit(
-        functools.partial(paged_decode, params=params, interpret=use_interpret(), config=config)
+        functools.partial(paged_decode, params=params, interpret=use_interpret(), config=config),
+        compiler_options=util.FAST_COMPILE,
     )(
         q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, lengths,
         alibi_slopes=opts["alibi_slopes"], q_rope=q_rope,

@@ -184,7 +184,7 @@ def plain_lowp_errors(prob: Problem, want: dict, diff, *, return_lse: bool) -> d
     loss = loss_fn(prob, reference_op(prob.packed), return_lse=return_lse)
     params = {n: prob.params[n] for n in diff}
     consts = dict(prob.consts, **{n: x for n, x in prob.params.items() if n not in diff})
-    ref = jax.jit(jax.grad(loss))(params, consts)
+    ref = jax.jit(jax.grad(loss), compiler_options=util.FAST_COMPILE)(params, consts)
     lowp = oracle_grads(prob, return_lse=return_lse, lowp=jnp.dtype(prob.dtype).type).grads
     return {
         n: max(
@@ -204,7 +204,7 @@ def run_and_check(prob: Problem, *, return_lse: bool = True, diff=None):
     inputs = dict(prob.params, q=q, k=k, v=v)
     params = {n: inputs[n] for n in diff}
     consts = dict(prob.consts, **{n: x for n, x in inputs.items() if n not in diff})
-    grad = jax.jit(jax.grad(loss))
+    grad = jax.jit(jax.grad(loss), compiler_options=util.FAST_COMPILE)
     got = grad(params, consts)
     assert set(got) == set(diff)
     oracle = oracle_grads(prob, return_lse=return_lse)

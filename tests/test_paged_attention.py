@@ -139,7 +139,8 @@ def attention_fn(impl: str, opts: Opts, impl_kw: dict):
         functools.partial(
             jaxattn.paged_attention, implementation=impl, config=opts.config,
             return_lse=opts.return_lse, **impl_kw,
-        )
+        ),
+        compiler_options=util.FAST_COMPILE,
     )  # fmt: skip
 
 
@@ -193,7 +194,7 @@ class World:
             self.num_pages, P, self.hkv, D, quant=self.quant, **scales
         )
         garbage = util.randn(self.rng, (self.num_pages * P, self.hkv, D), scale=50.0)
-        return jax.jit(jaxattn.write_kv)(
+        return jax.jit(jaxattn.write_kv, compiler_options=util.FAST_COMPILE)(
             cache, garbage, -garbage, jnp.arange(self.num_pages * P, dtype=jnp.int32)
         )
 
@@ -314,7 +315,8 @@ class World:
                                 what=what)  # fmt: skip
 
 
-gather = jax.jit(jaxattn.gather_kv, static_argnums=3)  # dequantized: float32
+# dequantized: float32
+gather = jax.jit(jaxattn.gather_kv, static_argnums=3, compiler_options=util.FAST_COMPILE)
 
 
 def round_up(n: int, m: int) -> int:
@@ -489,7 +491,8 @@ def test_pallas_small_tiles(opts, dtype):
     second = [(s if lengths[s] else None, r.prefix, r.new) for s, r in enumerate(LONG)]
     fn = jax.jit(
         functools.partial(jaxattn.paged_attention, implementation="pallas", config=config,
-                          return_lse=opts.return_lse, **impl_kw)
+                          return_lse=opts.return_lse, **impl_kw),
+        compiler_options=util.FAST_COMPILE,
     )  # fmt: skip
     for i, call in enumerate((first[:2], first[2:], second)):  # prefixes: 47 + 49 tokens
         call = [call[j] for j in rng.permutation(len(call))]
@@ -563,7 +566,8 @@ def test_quantized_decode_only_rotates_q_on_load(dtype):
     rope = jaxattn.RoPE(theta=100.0, scaling=jaxattn.YarnScaling(4.0, 8))
     run = {
         impl: jax.jit(functools.partial(jaxattn.paged_attention, rope=rope, return_lse=True,
-                                        implementation=impl))(q, k, v, cache, meta)
+                                        implementation=impl),
+                compiler_options=util.FAST_COMPILE)(q, k, v, cache, meta)
         for impl in ("xla", "pallas")
     }  # fmt: skip
     (want, want_lse), want_cache = run["xla"]
@@ -601,7 +605,8 @@ def test_qkv_equals_split(dtype, impl, decode_only):
                       **sizes)  # fmt: skip
     fused = jax.jit(
         functools.partial(jaxattn.paged_attention_qkv, num_q_heads=HQ, num_kv_heads=2,
-                          implementation=impl, config=None, **impl_kw)
+                          implementation=impl, config=None, **impl_kw),
+        compiler_options=util.FAST_COMPILE,
     )  # fmt: skip
     t = plan.q.shape[0]
     qkv = jnp.concatenate([x.reshape(t, -1) for x in (plan.q, plan.k, plan.v)], axis=1)
@@ -769,7 +774,8 @@ def test_build_keeps_the_callers_packing_for_rows_it_cannot_place(impl):
     assert not bool(checks["q_within_context"]) and not bool(checks["ok"])
     q = rng.standard_normal((8, 1, D)).astype(np.float32)
     k, v = (rng.standard_normal((8, 1, D)).astype(np.float32) for _ in range(2))
-    attend = jax.jit(functools.partial(jaxattn.paged_attention, implementation=impl))
+    attend = jax.jit(functools.partial(jaxattn.paged_attention, implementation=impl),
+                     compiler_options=util.FAST_COMPILE)  # fmt: skip
     out, new = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, meta)
     out = util.f64(out)
     assert np.all(np.isfinite(out))
@@ -865,7 +871,7 @@ def test_serving_simulation(impl):
     capacity = m_pages * P
     traces = []
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=util.FAST_COMPILE)
     def step(mgr, cache, release_ids, seq_ids, lengths, q_lens, q, k, v):
         traces.append(1)
         mgr = mgr.release(release_ids)

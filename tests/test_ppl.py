@@ -59,7 +59,7 @@ def op_fn(case, implementation, *, donate=False, traced_decoding=True, **op_kw):
             case.max_kvlen, cache, scale, mask, **kw,
         )  # fmt: skip
 
-    return jax.jit(fn, donate_argnums=(8,) if donate else ())
+    return jax.jit(fn, donate_argnums=(8,) if donate else (), compiler_options=util.FAST_COMPILE)
 
 
 def jax_args(case):

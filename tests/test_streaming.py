@@ -142,7 +142,8 @@ def run_calls(rows, case: Case, impl, *, quant=None, config=None, seed=0, what="
     max_tokens = -(-(max(sum(n for *_, n in c) for c in calls) + 3) // 8) * 8
     fn = jax.jit(
         functools.partial(jaxattn.paged_attention, implementation=impl, config=config,
-                          return_lse=case.return_lse, **impl_kw)
+                          return_lse=case.return_lse, **impl_kw),
+        compiler_options=util.FAST_COMPILE,
     )  # fmt: skip
     for i, call in enumerate(calls):
         _, out = world.step(call, fn, max_tokens=max_tokens, max_seqs=len(rows) + 2,
@@ -188,7 +189,8 @@ def test_no_window_is_absolute_rope(impl):
         if impl == "pallas" and not on_read:  # (the xla case shows it; one compile less)
             continue
         fn = jax.jit(functools.partial(jaxattn.paged_attention, implementation=impl,
-                                       **dict(impl_kw, rope_on_read=on_read)))  # fmt: skip
+                                       **dict(impl_kw, rope_on_read=on_read)),
+                     compiler_options=util.FAST_COMPILE)  # fmt: skip
         for call in (first, second):
             _, out = world.step(call, fn, max_tokens=40, max_seqs=len(MIXED) + 2,
                                 oracle_kw=oracle_kw)  # fmt: skip
@@ -233,7 +235,8 @@ def test_chunked_equals_one_pass(impl):
     same outputs (and each step against the oracle)."""
     case = Case(ROPES["neox"], window=5, sink_tokens=2)
     impl_kw, oracle_kw = case.kwargs()
-    fn = jax.jit(functools.partial(jaxattn.paged_attention, implementation=impl, **impl_kw))
+    fn = jax.jit(functools.partial(jaxattn.paged_attention, implementation=impl, **impl_kw),
+                 compiler_options=util.FAST_COMPILE)  # fmt: skip
     history = None
     outputs = []
     for chunks in ([19], [8, 4, 7]):
@@ -271,7 +274,7 @@ def test_cyclic_cache_many_windows(impl):
     cache = jaxattn.PagedKVCache(*(jnp.full_like(x, nan) for x in (cache.k_pages, cache.v_pages)))
     max_tokens = 24
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=util.FAST_COMPILE)
     def step(mgr, cache, seq_ids, lengths, q_lens, q, k, v):
         mgr, ok = mgr.reserve(seq_ids, lengths)
         meta = jaxattn.AttentionMetadata.build(mgr, seq_ids, q_lens, max_tokens)

@@ -30,6 +30,11 @@ CPU_CONFIG = jaxattn.FlashPrefillConfig(
     backward=jaxattn.FlashBackwardConfig(16, 16, 16, 16, (4, 4), (1, 1)),
 )
 
+# XLA:CPU compile time dominates the interpret-mode cases: jits given
+# `compiler_options=FAST_COMPILE` compile without LLVM's optimizations, ~25% faster and
+# the same results (as the parallel suite's context_cases.py does). GPU: the default.
+FAST_COMPILE = {} if ON_GPU else {"xla_backend_optimization_level": 0}
+
 GPU_SCALE = 4  # token counts and lengths (> 1) are multiplied by this on a GPU
 DEFAULT_HEAD_DIM = 128 if ON_GPU else 32
 # The head-dim sweep: real models on a GPU; one odd size (padded in-kernel) on CPU.
@@ -161,7 +166,9 @@ def jit_call(fn, *args, static: dict | None = None, **arrays):
     Eager calls of the jnp reference compile op by op (seconds per shape on CPU); one jit
     compile is ~10x cheaper."""
     static = static or {}
-    return jax.jit(lambda args, arrays: fn(*args, **static, **arrays))(args, arrays)
+    jitted = jax.jit(lambda args, arrays: fn(*args, **static, **arrays),
+                     compiler_options=FAST_COMPILE)  # fmt: skip
+    return jitted(args, arrays)
 
 
 def weighted_grads(op, inputs, weight):
