@@ -242,19 +242,19 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
 
 
 def test_decode_heuristic_int4_keys_as_words():
-    """INT4 per tensor, one scale a row and groups of 16 read K as half-words (where V is
-    read as words), groups of 8 with >= one program per SM (B64 8 kv heads, not B8);
-    groups of 32 (stacked rows at D 128) and 64 read K as bytes, as do the 8-bit formats
-    (the config's `k_words` applies to INT4 alone). Groups of 16 then pad to 4 query rows."""
+    """INT4 reads K as half-words (where V is read as words), groups of 8 only with >= one
+    program per SM (B64 8 kv heads, not B8); not with stacked rows (groups of 32 at D
+    128), nor the 8-bit formats (the config's `k_words` applies to INT4 alone). Groups of
+    16 then pad to 4 query rows."""
     heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                   head_dim=128, query_group=4)  # fmt: skip
     for shape in ((64, 8, 16384, 16), (8, 8, 8192, 16)):
-        for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False)):
+        for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False), (64, 0)):
             config = heuristic(*shape, code="int4", group_size=group_size, row_scales=row_scales)
             assert config.k_words == (group_size != 8 or shape[0] == 64), (shape, group_size)
             assert (config.query_rows == 4) == (group_size == 16), (shape, group_size)
             assert not heuristic(*shape, code="int4", group_size=group_size, v_words=False).k_words
-        for code, group_size in (("int4", 32), ("int4", 64), ("int8", 8), ("int8", 0)):
+        for code, group_size in (("int4", 32), ("int8", 8), ("int8", 0)):
             assert not heuristic(*shape, code=code, group_size=group_size).k_words, code
 
 

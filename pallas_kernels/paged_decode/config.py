@@ -20,8 +20,6 @@ _FEW_ROWS = 8  # query rows of the formats `few_rows` names
 _FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
 _STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic takes
 _SHORT_STACKED_DIM = 64  # up to this head dim, < one program an SM keeps per-value scales
-_K_WORD_GROUPS = (0, 8, 16)  # INT4 group sizes (0: per tensor, one a row) reading K as words
-# (groups of 8 with >= one program per SM)
 _FOUR_ROW_GROUP = 16  # INT4 groups of 16, K read as half-words: 4 query rows on our pages
 
 
@@ -140,8 +138,8 @@ class PagedDecodeConfig:
           against 0.598; B8 ctx8192 up to 18% faster, groups of 64 equal; 64x2x3, 64x4x3
           and 128x4x4 tilings as fast or slower but for groups of 64 in 4 stages, 1%
           faster). (32-bit words of eight nibbles, in eight parts, ran 1.4-6x slower.)
-          INT4 per tensor, one scale a row and groups of 16 read K as half-words too
-          (`k_words`), groups of 8 with >= one program per SM (probes of 2026-11-27
+          INT4 reads K as half-words too (`k_words`) but with stacked rows, and groups of
+          8 only with >= one program per SM (probes of 2026-11-27
           03:47-03:52 UTC, bench/HISTORY.md; B64 ctx16384 against K read as bytes: per
           tensor 0.408-0.412 against 0.439-0.446 ms, one a row 0.454 against 0.472 (its
           keys then read biased), groups of 16 0.588 against 0.605, groups of 8 in 4
@@ -150,8 +148,10 @@ class PagedDecodeConfig:
           dims 64 and 256 alike, 2-22% faster, probe of 04:01 UTC). Groups of 16 so pad
           their query rows to 4, not 8 (probes of 04:08-04:10 UTC: B64 ctx16384 0.550
           against 0.596 ms, B32 ctx16384 0.292 against 0.322, B8 ctx8192 0.047 against
-          0.049). Groups of 64 (one a half row) ran 13% slower with K as half-words, and
-          groups of 32 stay on stacked rows (0.511 against 0.555 ms).
+          0.049). Groups of 64 (one a half row): 0.483 against 0.494 ms at B64, 0.048
+          either way at B8 (probe of 04:30 UTC, once the two halves' logits were summed
+          before their scales; 13% slower before). Groups of 32 stay on stacked rows
+          (0.511 against 0.555 ms).
           `v_words`: whether this cache's V can be read as words (`reads_v_words`: D / 4
           a power of two >= 16, and scales that a word's codes share). Where it cannot,
           INT8 with one scale a row keeps 64-token blocks in 2 warps, 9-13% faster with
@@ -212,7 +212,7 @@ class PagedDecodeConfig:
                 return cls(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
         if code == "int8" and row_scales and not words:
             return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
-        k_words = code == "int4" and v_words and group_size in _K_WORD_GROUPS
+        k_words = code == "int4" and v_words  # (stacked rows returned above)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and programs >= sm_count
         stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3

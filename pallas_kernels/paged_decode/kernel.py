@@ -199,6 +199,8 @@ def _paged_decode_kernel(
     q_bias = None
     if biased_keys:
         q_bias = [INT4_BIAS * jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q]
+        if k_words:
+            q_bias = pair_sums(q_bias)
     # Quantized pools: table entries and scales loaded a step ahead (`fetch`). H100, B64
     # ctx16384 (probes of 2026-11-26, bench/HISTORY.md): INT8 per tensor 0.88 -> 0.81 ms
     # (with 3 stages), groups of 8 1.56 -> 1.15; float pools ran as fast or slower
@@ -252,8 +254,6 @@ def _paged_decode_kernel(
             v_scale = factored_scales(v_scale_ref, v_scales, t_ok)
             if fmt.part_scales(head_dim):  # each part's logits by its own
                 part_scales, k_scale = k_scale, None
-                if k_words:
-                    part_scales = word_part_scales(part_scales)
         if has_rope:
             s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision,
                                         part_scales=part_scales, **rope_at)  # fmt: skip
@@ -262,6 +262,8 @@ def _paged_decode_kernel(
                 jnp.dot(qp, kp.T, precision=precision, preferred_element_type=jnp.float32)
                 for qp, kp in zip(q, k, strict=True)
             ]
+            if k_words:  # word parts 0, 1 hold low nibbles, 2, 3 high: as K's two halves
+                dots = pair_sums(dots)
             if biased_keys:
                 dots = [d - qb[:, None] for d, qb in zip(dots, q_bias, strict=True)]
             if stacked:
@@ -343,6 +345,13 @@ def _paged_decode_kernel(
         plgpu.store(lse_ref.at[b, heads, split], lse, mask=row_ok)
     else:
         plgpu.store(lse_ref.at[b, heads], lse, mask=row_ok)
+
+
+def pair_sums(parts):
+    """K's four word parts' `[rows, block]` logits (or `[rows]` bias terms) as its two
+    halves' (parts 0 + 1: the low nibbles, 2 + 3: the high; `v_word_columns`), which share
+    a half row's scales: each half's sum is scaled and biased once."""
+    return [parts[0] + parts[1], parts[2] + parts[3]]
 
 
 def cached_tokens(ctx, has_new):
