@@ -82,9 +82,15 @@ def _add_terms(s, rel, *, bias, alibi_slopes, relative_bias, soft_cap):
 
 def _softmax(s, visible):
     """Masked float32 softmax over the last axis: (probabilities, lse `s.shape[:-1]`);
-    rows with no visible key get zeros and an lse of -inf."""
+    rows with no visible key get zeros and an lse of -inf.
+
+    The row max is taken off for range only, outside the gradient (as `jax.nn.logsumexp`
+    does): its gradient cancels, and differentiating it divides by the count of logits
+    equal to it, which is 0 wherever the compiler recomputes the logits in another
+    rounding for the backward (XLA:CPU at optimization level 0 fuses them with and
+    without an FMA: inf and NaN gradients)."""
     s = jnp.where(visible, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(jax.lax.stop_gradient(s), axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
