@@ -149,7 +149,7 @@ class PagedDecodeConfig:
           their query rows to 4, not 8 (probes of 04:08-04:10 UTC: B64 ctx16384 0.550
           against 0.596 ms, B32 ctx16384 0.292 against 0.322, B8 ctx8192 0.047 against
           0.049). Groups of 64 (one a half row): 0.483 against 0.494 ms at B64, 0.048
-          either way at B8 (probe of 04:30 UTC, once the two halves' logits were summed
+          either way at B8 (probe of 04:19 UTC, once the two halves' logits were summed
           before their scales; 13% slower before). Groups of 32 stay on stacked rows
           (0.511 against 0.555 ms).
           `v_words`: whether this cache's V can be read as words (`reads_v_words`: D / 4
