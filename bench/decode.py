@@ -77,16 +77,17 @@ _SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+|h(?:[*/]\d+)?))?(?:r(\d+))?(c)?(s
 
 
 def parse_config(spec: str, heuristic):
-    """A decode config from BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s] (`config_label`).
+    """A decode config from BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s][k] (`config_label`).
     SPLITS: a count, or "h" (`heuristic.num_splits`), "h*N", "h/N"; left out, the
     heuristic's. rROWS pads the query rows to ROWS (`PagedDecodeConfig.query_rows`; the
     heuristic's otherwise); "c" reads V as codes rather than words (`v_words`); "s" applies
-    group scales through stacked rows (`stacked`)."""
+    group scales through stacked rows (`stacked`); "k" reads INT4 K as half-words
+    (`k_words`). Without "s" or "k", those are off, whatever the heuristic's."""
     from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
     match = _SPEC.fullmatch(spec)
     if not match:
-        raise ValueError(f"{spec!r} is not BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s]")
+        raise ValueError(f"{spec!r} is not BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s][k]")
     block_kv, warps, stages, splits, rows, codes, stacked, k_words = match.groups()
     h = heuristic.num_splits
     if splits is None or splits == "h":
@@ -110,7 +111,8 @@ def _sweep(heuristic) -> Sweep:
 def config_label(c) -> str:
     """A decode tiling as BLOCKxWARPSxSTAGESxSPLITS, then rROWS where the query rows are
     padded to fewer than 16 (`PagedDecodeConfig.query_rows`), then "s" where group scales
-    go through stacked rows (`PagedDecodeConfig.stacked`)."""
+    go through stacked rows (`PagedDecodeConfig.stacked`), then "k" where INT4 K is read
+    as half-words (`PagedDecodeConfig.k_words`)."""
     rows = "" if c.query_rows == 16 else f"r{c.query_rows}"
     stacked = "s" if c.stacked else ""
     k_words = "k" if c.k_words else ""

@@ -543,10 +543,13 @@ def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, i
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined
-        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
+        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100). K is read as
+        # bytes with rope on read: no fewer query rows than K as bytes takes (8).
+        rows = decode_config.query_rows
         decode_config = dataclasses.replace(
-            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
-        )
+            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1,
+            k_words=False, query_rows=max(rows, 8) if decode_config.k_words else rows,
+        )  # fmt: skip
     return functools.partial(
         paged_decode,
         k_pages=cache.k_pages,

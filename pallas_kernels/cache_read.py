@@ -17,10 +17,10 @@ j, so a tile comes out as two halves ("parts"): channels `[0, D/2)` and `[D/2, D
 kernel keeps the query and the output in the same parts (dots per part, summed), so the
 nibbles never need interleaving.
 
-V tiles may instead be read as words of four codes (`read_v_words`; 8-bit codes: 32-bit
+V tiles may instead be read as words of four codes (`read_words`; 8-bit codes: 32-bit
 words of four channels, INT4: 16-bit half-words of two bytes): the PV dot then runs in four
-parts of strided channels (`v_word_columns`), whose outputs the kernel stores to those
-channels.
+parts of strided channels (`word_columns`), whose outputs the kernel stores to those
+channels. INT4 K tiles may be read so too, the query then loaded in the same parts.
 
 Where rows are (`PoolLayout`): our pools are `[N, Hkv, P, Dp]` pages, a block-table
 entry a page id; OpenPPL's caches are one array of token rows holding K and V of every
@@ -358,7 +358,7 @@ def read_rows(ref, scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int
 
 
 def reads_v_words(fmt: CacheFormat, head_dim: int) -> bool:
-    """V tiles of this format can be read as words of four codes (`read_v_words`): 8-bit
+    """V tiles of this format can be read as words of four codes (`read_words`): 8-bit
     codes or INT4, D / 4 a power of two of at least 16 (a dot's width), and scales a word's
     codes share: one a row, or groups of a multiple of 4 channels (8-bit), or INT4 groups
     of an even number of channels that tile a half row, or one a half row. (An 8-bit group
@@ -377,8 +377,8 @@ def reads_v_words(fmt: CacheFormat, head_dim: int) -> bool:
     )
 
 
-def v_word_columns(fmt: CacheFormat, head_dim: int) -> list:
-    """The channels of each part `read_v_words` gives, `[1, D / 4]`: part c, 4j + c (8-bit
+def word_columns(fmt: CacheFormat, head_dim: int) -> list:
+    """The channels of each part `read_words` gives, `[1, D / 4]`: part c, 4j + c (8-bit
     codes); INT4, whose half-word j holds bytes 2j and 2j + 1 (channels 2j, 2j + 1 in their
     low nibbles, 2j + D/2, 2j + 1 + D/2 in their high ones), 2j + c % 2 + (c // 2) * D/2."""
     j = jnp.arange(head_dim // 4)[None, :]
@@ -387,9 +387,9 @@ def v_word_columns(fmt: CacheFormat, head_dim: int) -> list:
     return [4 * j + c for c in range(4)]
 
 
-def v_word_view(pool, fmt: CacheFormat):
-    """The V pool `[..., Dp]` as words of four codes `[..., D / 4]` (`read_v_words`): int32
-    of four bytes, or for INT4 int16 of two (bytes hold two codes)."""
+def word_view(pool, fmt: CacheFormat):
+    """A pool `[..., Dp]` as words of four codes `[..., D / 4]` (`read_words`): int32 of
+    four bytes, or for INT4 int16 of two (bytes hold two codes)."""
     per_word = 2 if fmt.dtype == "int4" else 4
     word = jnp.int16 if fmt.dtype == "int4" else jnp.int32
     shape = (*pool.shape[:-1], pool.shape[-1] // per_word, per_word)
@@ -405,16 +405,17 @@ def word_part_scales(v_scale):
     return v_scale
 
 
-def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
+def read_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
                  asm: bool = False, unscaled: bool = False, kv: int = 1,
                  biased: bool = False):  # fmt: skip
-    """A V tile of `block` tokens read as words from `ref` (the V pool viewed as
-    `[..., D / 4]` words of four codes: int32 for 8-bit codes, int16 for INT4): four parts
-    `[block, D / 4]` of `dtype`, holding the channels `v_word_columns` says, dequantized
-    except for factored scales (`word_part_scales`). `at`, `t_ok`, `head_dim`, `dtype`: as
-    `read_kv`; `scales`: what `load_scales` gave for V (finer groups: a tuple of
-    `[block, groups]`, one per half row for INT4); `unscaled`: the codes' values whatever
-    the scales, as `read_kv`'s.
+    """A V (or INT4 K) tile of `block` tokens read as words from `ref` (the pool viewed as
+    `[..., D / 4]` words of four codes, `word_view`: int32 for 8-bit codes, int16 for
+    INT4): four parts `[block, D / 4]` of `dtype`, holding the channels `word_columns`
+    says, dequantized except for factored scales (`word_part_scales`). `at`, `t_ok`,
+    `head_dim`, `dtype`, `kv` (1: V, 0: K): as `read_kv`; `scales`: what `load_scales`
+    gave for this pool (finer groups: a tuple of `[block, groups]`, one per half row for
+    INT4); `unscaled`: the codes' values whatever the scales, as `read_kv`'s; `biased`:
+    INT4 values plus `codes.INT4_BIAS`, with factored scales or `unscaled` only.
 
     Why: the PV dot takes V as its B operand, which wants two consecutive tokens of one
     channel in a register. Read as codes `[block, D]`, Triton gathers those with a
@@ -426,6 +427,8 @@ def read_v_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=N
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
     width = head_dim // 4
     raw = plgpu.load(ref.at[(*index, jnp.arange(width)[None, :])], mask=t_ok[:, None], other=0)
+    if biased and not (fmt.factored(head_dim) or unscaled):
+        raise ValueError("read_words: biased values need factored scales or unscaled")
     if fmt.factored(head_dim) or unscaled:  # the codes' values; the caller applies the scales
         asm = asm and dtype == jnp.bfloat16
         return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm, biased=biased))

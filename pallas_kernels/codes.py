@@ -156,7 +156,7 @@ def codes_to_bf16(raw, dtype: str, *, asm: bool, biased: bool = False) -> list:
     return [raw.astype(jnp.bfloat16)]
 
 
-# V tiles read as words (`cache_read.read_v_words`) of four codes: for 8-bit codes a 32-bit
+# V tiles read as words (`cache_read.read_words`) of four codes: for 8-bit codes a 32-bit
 # word holds channels 4j..4j+3 of one token; for INT4 a 16-bit half-word (two bytes) holds
 # channels 2j, 2j+1 (low nibbles) and 2j + D/2, 2j + 1 + D/2 (high nibbles). Output part c
 # gets code c of each word. One asm block takes two words (two tokens; `pack=2`) and gives

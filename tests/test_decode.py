@@ -249,7 +249,7 @@ def test_decode_heuristic_int4_keys_as_words():
     heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                   head_dim=128, query_group=4)  # fmt: skip
     for shape in ((64, 8, 16384, 16), (8, 8, 8192, 16)):
-        for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False), (64, 0)):
+        for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False), (64, False)):
             config = heuristic(*shape, code="int4", group_size=group_size, row_scales=row_scales)
             assert config.k_words == (group_size != 8 or shape[0] == 64), (shape, group_size)
             assert (config.query_rows == 4) == (group_size == 16), (shape, group_size)

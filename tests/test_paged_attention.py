@@ -1124,3 +1124,32 @@ def test_history_plan_rows_and_sources():
     big = dataclasses.replace(meta, block_tables=jnp.zeros((6, 1024), jnp.int32))
     assert jaxattn.history.buffer_rows(big, P, None, 4, 2**20) == 256
     assert jaxattn.history.buffer_rows(big, P, None, 4, row_bytes) == 4096
+
+
+def test_rope_on_read_decode_reads_int4_keys_as_bytes(monkeypatch):
+    """With rope on read the decode kernel reads K as bytes: the plan's tiling asks no K
+    half-words, and INT4 groups of 16 (4 query rows with half-words) keep 8 rows."""
+    import jaxattn.paged as paged
+
+    configs = []
+
+    def spy(*args, config, **kw):
+        configs.append(config)
+        raise StopIteration  # the tiling is all this test needs
+
+    monkeypatch.setattr(paged, "paged_decode", spy)
+    hkv, d, page = 2, 128, 8
+    cache = jaxattn.PagedKVCache.create(8, page, hkv, d, quant=jaxattn.KVQuant("int4", "group", 16))
+    meta = jaxattn.AttentionMetadata.from_lists([1, 1], [9, 16], [[0, 1], [2, 3]], page,
+                                                max_tokens=2, max_seqs=2, max_pages=2,
+                                                decode_only=True)  # fmt: skip
+    q = jnp.zeros((2, 2 * hkv, d), jnp.float32)  # kv groups of 2 query heads
+    k = v = jnp.zeros((2, hkv, d), jnp.float32)
+    for rope_on_read in (False, True):
+        call = functools.partial(jaxattn.paged_attention, rope=jaxattn.RoPE(theta=100.0),
+                                 rope_on_read=rope_on_read, implementation="pallas")  # fmt: skip
+        with pytest.raises(StopIteration):
+            jax.eval_shape(call, q, k, v, cache, meta)
+    plain, on_read = configs
+    assert (plain.k_words, plain.query_rows) == (True, 4)
+    assert (on_read.k_words, on_read.query_rows, on_read.block_kv) == (False, 8, 64)

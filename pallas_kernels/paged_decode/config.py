@@ -35,7 +35,7 @@ class PagedDecodeConfig:
       num_warps, num_stages: Triton launch parameters.
       v_words: quantized caches read V as words of four codes (INT8, FP8: 32-bit words;
         INT4: 16-bit half-words), dequantized into four parts of strided channels
-        (`cache_read.read_v_words`); ignored for float caches and for head dims and
+        (`cache_read.read_words`); ignored for float caches and for head dims and
         groups where words cannot apply (`cache_read.reads_v_words`).
       query_rows: the kv group's query rows are padded to at least this many (4, 8 or
         16; to a power of two of at least the group in any case) for the kernel's dots:
@@ -145,7 +145,7 @@ class PagedDecodeConfig:
           keys then read biased), groups of 16 0.588 against 0.605, groups of 8 in 4
           stages 0.632-0.638 against 0.675; B8 ctx8192 0.035 / 0.039 / 0.050 against
           0.037 / 0.041 / 0.053 ms, groups of 8 there 0.053-0.058 against 0.051; head
-          dims 64 and 256 alike, 2-22% faster, probe of 04:01 UTC). Groups of 16 so pad
+          dims 64 and 256 alike, 0-22% faster, probe of 04:01 UTC). Groups of 16 so pad
           their query rows to 4, not 8 (probes of 04:08-04:10 UTC: B64 ctx16384 0.550
           against 0.596 ms, B32 ctx16384 0.292 against 0.322, B8 ctx8192 0.047 against
           0.049). Groups of 64 (one a half row): 0.483 against 0.494 ms at B64, 0.048
@@ -174,7 +174,8 @@ class PagedDecodeConfig:
           ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
           Query rows padded to 8 rather than 16 for the formats `few_rows` names, over our
-          pages (`pages`; OpenPPL's layouts keep 16). INT4 with two groups a half row
+          pages (`pages`; OpenPPL's layouts keep 16), and to 4 for INT4 groups of 16 with
+          K read as half-words (above). INT4 with two groups a half row
           (groups of 32 at D 128) applies its scales through stacked rows, 4 query rows
           (`stacked_groups`; `head_dim` and `query_group`, the query heads a kv head
           serves, decide it; 0: not known, not stacked).
@@ -244,7 +245,8 @@ class PagedDecodeConfig:
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     """Whether decode over this cache format pads its query rows to `_FEW_ROWS` (8) rather
     than 16 (`PagedDecodeConfig.query_rows`): INT4 with group scales (any group, or one a
-    row), and 8-bit codes in groups of 8, 16 or 64. A thread's accumulators, logits and
+    row), and 8-bit codes in groups of 8, 16 or 64. (The heuristic takes 4 for INT4 groups
+    of 16 with K read as half-words, and for stacked rows.) A thread's accumulators, logits and
     softmax vectors scale with the rows, and these formats hold the most registers a
     thread besides (INT4 groups: 168 in the Nsight Compute profile of 12:00 UTC, three
     programs an SM).

@@ -15,7 +15,7 @@ length across the batch (the longest row's span over `num_splits`): in a ragged 
 busy programs finish together, and a short row's surplus programs exit at once.
 
 Quantized caches may have V read as words of four codes (`config.v_words`,
-`cache_read.read_v_words`; 32-bit words of INT8 / FP8, 16-bit half-words of INT4): the PV
+`cache_read.read_words`; 32-bit words of INT8 / FP8, 16-bit half-words of INT4): the PV
 dot then runs in four parts of strided channels, and the output is stored part by part.
 INT4 may read K as half-words too (`config.k_words`): q is then loaded in the same four
 parts of strided channels, and the logits are the sum of four dots.
@@ -52,14 +52,14 @@ from pallas_kernels.cache_read import (
     factored_scales,
     load_scales,
     read_kv,
-    read_v_words,
+    read_words,
     reads_v_words,
     ring_position,
     scaled_sum,
     scales_per_element,
-    v_word_columns,
-    v_word_view,
+    word_columns,
     word_part_scales,
+    word_view,
 )
 from pallas_kernels.codes import INT4_BIAS
 from pallas_kernels.common import (
@@ -95,7 +95,8 @@ def _paged_decode_kernel(
     q_ref,  # [B, Hq, D]
     k_ref,
     v_ref,  # [N, Hkv, P, Dp]: float, or quantized as `fmt` says (int4: Dp = D / 2);
-    # with `v_words` the V pool viewed as words (int32; INT4: int16), [N, Hkv, P, D / 4]
+    # with `v_words` the V pool viewed as words (int32; INT4: int16), [N, Hkv, P, D / 4],
+    # with `k_words` the K pool too
     *refs,
     params: DecodeParams,
     fmt: CacheFormat,
@@ -138,7 +139,8 @@ def _paged_decode_kernel(
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, max_pages = fmt.layout.page_size_of(k_ref), table_ref.shape[1]
     # q, K (and V read as codes) come in `fmt.parts` parts of D / parts channels (two for
-    # INT4: cache_read); V read as words in four parts of strided channels.
+    # INT4: cache_read); V read as words in four parts of strided channels, and with
+    # `k_words` q and K too.
     part_dim = head_dim // fmt.parts
     dims = jnp.arange(dot_width(part_dim))
     dim_ok = dims[None, :] < part_dim  # [1, Pd]
@@ -153,7 +155,7 @@ def _paged_decode_kernel(
                           other=0.0)  # fmt: skip
 
     if k_words:  # K read as words: q in the word parts' strided channels
-        q = tuple(query_part(cols, True) for cols in v_word_columns(fmt, head_dim))
+        q = tuple(query_part(cols, True) for cols in word_columns(fmt, head_dim))
     else:
         q = tuple(query_part(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts))
     ctx = ctx_ref[b]
@@ -192,10 +194,10 @@ def _paged_decode_kernel(
     # 2026-11-26 13:22 UTC, bench/HISTORY.md): 0.601 against 0.649 ms, B8 ctx8192 0.054
     # against 0.060. Per tensor, and one scale a row with K read as bytes, ran 1-7% slower
     # so (0.437 / 0.528 against 0.431 / 0.492 ms) and keep the FMA; with K read as
-    # half-words one scale a row runs faster biased (0.454 against 0.493 ms, per tensor
-    # 0.432 against 0.408; probe of 2026-11-27 03:50 UTC). Only the PTX conversion saves
-    # the FMA; float16 / float32 queries, whose casts cost the same either way, keep the
-    # exact values (the subtraction loses float32 digits).
+    # half-words one scale a row runs faster biased (0.454 against 0.492 ms), per tensor
+    # still slower (0.432 against 0.408; probe of 2026-11-27 03:50 UTC). Only the PTX
+    # conversion saves the FMA; float16 / float32 queries, whose casts cost the same
+    # either way, keep the exact values (the subtraction loses float32 digits).
     q_bias = None
     if biased_keys:
         q_bias = [INT4_BIAS * jnp.sum(qp.astype(jnp.float32), axis=1) for qp in q]
@@ -244,7 +246,7 @@ def _paged_decode_kernel(
             unscaled=stacked,
         )  # fmt: skip
         if k_words:
-            k = read_v_words(k_ref, fmt, at, t_ok, head_dim, dtype, k_scales, asm=not interpret,
+            k = read_words(k_ref, fmt, at, t_ok, head_dim, dtype, k_scales, asm=not interpret,
                              kv=0, biased=biased_keys)  # fmt: skip
         else:
             k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
@@ -281,7 +283,7 @@ def _paged_decode_kernel(
             visible &= in_window
         s = jnp.where(visible[None, :], s, MASK_VALUE)
         if v_words:  # four parts of strided channels
-            load_v = functools.partial(read_v_words, v_ref, fmt, at, t_ok, head_dim, dtype,
+            load_v = functools.partial(read_words, v_ref, fmt, at, t_ok, head_dim, dtype,
                                        v_scales, asm=not interpret, unscaled=stacked)  # fmt: skip
             if stacked:
                 v_scales = stacked_rows.word_scales(fmt, v_scales)
@@ -305,8 +307,8 @@ def _paged_decode_kernel(
 
     # The output's parts: (columns [1, W], which are channels [1, W]).
     v_parts = [(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts)]
-    if v_words:  # V in parts of strided channels (cache_read.read_v_words), all channels
-        v_parts = [(cols, jnp.full(cols.shape, True)) for cols in v_word_columns(fmt, head_dim)]
+    if v_words:  # V in parts of strided channels (cache_read.read_words), all channels
+        v_parts = [(cols, jnp.full(cols.shape, True)) for cols in word_columns(fmt, head_dim)]
     widths = tuple(cols.shape[1] for cols, _ in v_parts)
     if stacked:
         carry = stacked_rows.init(rows, [(n_groups, w) for w in widths])
@@ -349,7 +351,7 @@ def _paged_decode_kernel(
 
 def pair_sums(parts):
     """K's four word parts' `[rows, block]` logits (or `[rows]` bias terms) as its two
-    halves' (parts 0 + 1: the low nibbles, 2 + 3: the high; `v_word_columns`), which share
+    halves' (parts 0 + 1: the low nibbles, 2 + 3: the high; `word_columns`), which share
     a half row's scales: each half's sum is scaled and biased once."""
     return [parts[0] + parts[1], parts[2] + parts[3]]
 
@@ -559,9 +561,9 @@ def paged_decode(
     )
     if v_words:  # V pool viewed as words of four codes: a bitcast on XLA:GPU, but XLA:CPU
         # (interpret mode) expands it into a copy (tests/test_decode.py checks the GPU)
-        inputs[4] = v_word_view(v_pages, fmt)
+        inputs[4] = word_view(v_pages, fmt)
     if k_words:
-        inputs[3] = v_word_view(k_pages, fmt)
+        inputs[3] = word_view(k_pages, fmt)
     kernel = functools.partial(
         _paged_decode_kernel,
         params=params,

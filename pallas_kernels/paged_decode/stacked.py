@@ -51,7 +51,7 @@ def groups(fmt: CacheFormat, head_dim: int) -> int:
 
 
 def word_scales(fmt: CacheFormat, v_scales) -> tuple:
-    """The `[block, n]` scales of V's four word parts (`cache_read.v_word_columns`) from
+    """The `[block, n]` scales of V's four word parts (`cache_read.word_columns`) from
     what `load_scales` gave: INT4's halves (low nibbles: parts 0, 1; high: 2, 3), or the
     one array of 8-bit codes for all four."""
     if fmt.dtype == "int4":
