@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array, Int
 
 from jaxattn.int32 import check_int32
@@ -127,7 +128,9 @@ class AttentionMetadata:
         Args:
           mgr: the manager; row `seq_ids[s]`'s length is taken as the length after the step.
           seq_ids: int `[S]`, manager rows in batch order; < 0 = padding row.
-          q_lens: int `[S]`, new tokens per row (ignored for padding rows).
+          q_lens: int `[S]`, new tokens per row (ignored for padding rows). A negative
+            count for a live row raises where both arrays come from the host; a traced one
+            counts as 0 (no tokens).
           max_tokens: T, the token bucket (static).
           decode_only: static; the caller promises every q_len is 0 or 1 (see the class).
 
@@ -140,6 +143,7 @@ class AttentionMetadata:
         """
         check_int32("AttentionMetadata.build", "seq_ids", seq_ids)
         check_int32("AttentionMetadata.build", "q_lens", q_lens)
+        _check_host_q_lens(seq_ids, q_lens)
         seq_ids = jnp.asarray(seq_ids, jnp.int32)
         q_lens = jnp.asarray(q_lens, jnp.int32)
         if seq_ids.ndim != 1 or q_lens.shape != seq_ids.shape:
@@ -301,3 +305,19 @@ class AttentionMetadata:
         ids = self.seq_ids
         same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
         return ~jnp.any(same & ~jnp.eye(ids.shape[0], dtype=bool))
+
+
+def _check_host_q_lens(seq_ids, q_lens) -> None:
+    """A ValueError for a negative q_len of a live row (`seq_ids >= 0`), where both arrays
+    are host values (numpy, lists): traced ones cannot be looked at."""
+    if isinstance(seq_ids, Tracer) or isinstance(q_lens, Tracer):
+        return
+    ids, lens = np.asarray(seq_ids), np.asarray(q_lens)
+    if ids.shape != lens.shape:
+        return  # the shape check that follows names both
+    bad = np.flatnonzero((ids >= 0) & (lens < 0))
+    if bad.size:
+        raise ValueError(
+            f"AttentionMetadata.build: q_lens must be >= 0 for live rows; rows {bad.tolist()} "
+            f"(seq_ids {ids[bad].tolist()}) have {lens[bad].tolist()}"
+        )

@@ -817,6 +817,20 @@ def test_check_flags_an_overfull_step():
     assert bool(meta.check()["ok"])
 
 
+def test_build_rejects_negative_q_lens_given_on_the_host():
+    """A live row's negative q_len given on the host raises, naming the row; a padding
+    row's is ignored; traced, it counts as 0 (no tokens), as documented."""
+    mgr = jaxattn.KVCacheManager.create(8, P, 3, 3)
+    mgr, _ = mgr.reserve(jnp.array([0, 1]), jnp.array([4, 4]))
+    build = jaxattn.AttentionMetadata.build
+    with pytest.raises(ValueError, match=r"q_lens must be >= 0.*rows \[1\]"):
+        build(mgr, np.array([0, 1, -1]), np.array([1, -2, 0]), 8)
+    meta = build(mgr, [0, 1, -1], [1, 1, -5], 8)  # padding row: ignored
+    assert meta.q_lens.tolist() == [1, 1, 0]
+    traced = jax.jit(build, static_argnums=3)(mgr, jnp.array([0, 1]), jnp.array([1, -2]), 8)
+    assert traced.q_lens.tolist() == [1, 0]
+
+
 def test_plan_of_another_page_size_is_rejected():
     """A plan's slots are pages of its manager's size; a cache of another size would take
     them for other pages (other sequences')."""
