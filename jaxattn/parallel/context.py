@@ -108,7 +108,7 @@ def context_parallel_attention(
       `[B, Hq, Tq]` split along Tq).
     """
     validation.check_qkv(q, k, v, packed=False)
-    options = {name: x for name, x in options.items() if not _is_default(x)}
+    options = {name: _as_array(x) for name, x in options.items() if not _is_default(name, x)}
     if implementation is not None and not isinstance(implementation, str):
         implementation = tuple(implementation)  # hashable: part of the cache key
     n = mesh.shape[axis_name]
@@ -157,9 +157,23 @@ def _mapped(method: str, mesh: Mesh, axis_name: str, return_lse: bool, static: t
     return jax.jit(mapped)
 
 
-def _is_default(x) -> bool:
-    """An option left as `attention`'s default (None, False, 0): not an option in use."""
-    return x is None or (isinstance(x, (bool, int)) and not x)
+# `jaxattn.attention`'s options whose default is not None.
+_DEFAULTS = dict(sink_tokens=0, return_lse=False)
+
+
+def _is_default(name: str, x) -> bool:
+    """An option left as `attention`'s default: not an option in use. (Only the default
+    itself: `window=0` is an error `attention` reports, not a default.)"""
+    default = _DEFAULTS.get(name)
+    return x is None or (type(x) is type(default) and x == default)
+
+
+def _as_array(x):
+    """A list or tuple of numbers (e.g. `alibi_slopes`) as an array, as `attention` takes
+    it; anything else as it is."""
+    if isinstance(x, (list, tuple)) and x and all(isinstance(a, (int, float)) for a in x):
+        return np.asarray(x, np.float32)
+    return x
 
 
 def _is_array_tree(x) -> bool:

@@ -383,9 +383,21 @@ def _role_size(arrays, arr_roles, role) -> int:
     return 1
 
 
+def _axis_names(axes) -> set:
+    """The mesh axis names of a spec entry (None, a name, or a tuple of names)."""
+    return set() if axes is None else set(axes if isinstance(axes, tuple) else (axes,))
+
+
 def _make_plan(name, arrays, arr_roles, specs, mesh, ring: bool = False) -> _Plan:
+    """Each role takes the mesh axes of the first operand that splits it: batch, then the
+    sequence, then heads (q's, else the kv operands'). A role whose axes another role
+    already took (operands split differently over one axis) is left whole, with a
+    warning: two roles over one axis would be one spec naming it twice."""
     batch = _role_axes(arrays, arr_roles, specs, BATCH)
     sequence = _role_axes(arrays, arr_roles, specs, SEQUENCE)
+    if _axis_names(sequence) & _axis_names(batch):
+        _warn(name, f"the sequence is split over {sequence}, which splits the batch too")
+        sequence = None
     if sequence is not None and not ring:
         _warn(name, f"the sequence is split over {sequence} and these options have no ring")
         sequence = None
@@ -396,6 +408,9 @@ def _make_plan(name, arrays, arr_roles, specs, mesh, ring: bool = False) -> _Pla
     heads = _role_axes(arrays, arr_roles, specs, HEADS)
     if heads is None:  # only the kv operands split by head (q replicated): follow them
         heads = _role_axes(arrays, arr_roles, specs, KV_HEADS)
+    if _axis_names(heads) & (_axis_names(batch) | _axis_names(sequence)):
+        _warn(name, f"the heads are split over {heads}, which splits the batch or sequence")
+        heads = None
     num_batch = _role_size(arrays, arr_roles, BATCH)
     num_heads = _role_size(arrays, arr_roles, HEADS)
     num_kv = _role_size(arrays, arr_roles, KV_HEADS)

@@ -82,6 +82,7 @@ def explicit_axes(mesh) -> bool:
 
 
 def _permute_chunks(x, n: int, axis: int, order: np.ndarray):
+    axis = axis % x.ndim  # a negative axis counts from the end
     size = x.shape[axis]
     if size % (2 * n):
         raise ValueError(f"{x.shape=}: axis {axis} ({size}) must split into 2n = {2 * n} chunks")

@@ -17,7 +17,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxattn
-from jaxattn.parallel import cache_sharding, context_parallel_attention, ring_attention, shard_cache
+from jaxattn.parallel import (
+    cache_sharding,
+    context_parallel_attention,
+    partition,
+    ring_attention,
+    shard_cache,
+)
 from pallas_kernels.flash_backward import FlashBackwardConfig
 from pallas_kernels.flash_prefill import FlashPrefillConfig
 
@@ -337,6 +343,26 @@ def test_sequence_split_without_a_ring_warns_and_gathers():
     with pytest.warns(UserWarning, match="sequence is split"):
         out = f(*args)
     np.testing.assert_allclose(out, jaxattn.attention(q, k, v, causal=True, window=8), **TOL)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("q_spec", [("data", "model"), ("model",)], ids=["q_sequence", "q_batch"])
+def test_roles_placed_over_one_mesh_axis(explicit, q_spec):
+    """q split along its sequence (or batch) over "model", k and v by kv head over "model":
+    each placement is valid, but two roles cannot take one axis (one spec would name it
+    twice, and the call raised). The heads are left whole, with a warning."""
+    mesh = _mesh(explicit)
+    q, k, v, _ = _qkv(jax.random.key(13), 4, 16, 4, 4)
+    args = (_put(mesh, q, *q_spec), _put(mesh, k, None, None, "model"),
+            _put(mesh, v, None, None, "model"))  # fmt: skip
+    f = jax.jit(
+        lambda q, k, v: jaxattn.attention(q, k, v, causal=True, config=CONFIG,
+                                          implementation="pallas")
+    )  # fmt: skip
+    partition._warn_once.cache_clear()  # each message warns once a process
+    with pytest.warns(UserWarning, match="heads are split over model"):
+        out = f(*args)
+    np.testing.assert_allclose(out, jaxattn.attention(q, k, v, causal=True), **TOL)
 
 
 # ---------------------------------------------------------------- less usual axes and placements

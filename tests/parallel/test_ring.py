@@ -101,7 +101,8 @@ def test_collectives_and_sharding():
 
 
 def test_zigzag_layout():
-    """Device i's share of the zig-zag order is chunks i and 2n-1-i; unshard inverts."""
+    """Device i's share of the zig-zag order is chunks i and 2n-1-i; unshard inverts; a
+    negative axis counts from the end (it raised)."""
     n, chunk = 4, 3
     x = jnp.arange(2 * n * chunk * 2).reshape(2, 2 * n * chunk)  # [B, T]
     z = zigzag_shard(x, n, axis=1)
@@ -112,6 +113,11 @@ def test_zigzag_layout():
         )
         np.testing.assert_array_equal(share, want)
     np.testing.assert_array_equal(zigzag_unshard(z, n, axis=1), x)
+    for axis in (-1, -2):  # counted from the end, as numpy does
+        y = x[:, None, :] if axis == -1 else x[:, :, None]  # [B, 1, T] or [B, T, 1]
+        for fn in (zigzag_shard, zigzag_unshard):
+            want = fn(y, n, axis=y.ndim + axis)
+            np.testing.assert_array_equal(fn(y, n, axis=axis), want, err_msg=f"{fn} {axis}")
 
 
 def test_merge_rows_without_keys():

@@ -174,6 +174,22 @@ def test_global_wrapper(method, explicit):
     np.testing.assert_allclose(out, zz(want), **TOL)
 
 
+def test_global_wrapper_options_as_attention_takes_them():
+    """Options as `attention` takes them: ALiBi slopes as a list (they had been taken for a
+    static option, unhashable), and `window=0` an error (it had been dropped as a default)."""
+    n, hq = 4, 4
+    m = mesh(n, explicit=False)
+    q, k, v, _ = inputs("wrapper options", n, hq=hq, hkv=2)
+    slopes = [float(x) for x in jaxattn.alibi_slopes(hq)]
+    out = context_parallel_attention(q, k, v, mesh=m, axis_name=AXIS, causal=True,
+                                     alibi_slopes=slopes, implementation="xla")  # fmt: skip
+    want = jaxattn.attention(q, k, v, causal=True, alibi_slopes=slopes, implementation="xla")
+    np.testing.assert_allclose(out, want, **TOL)
+    with pytest.raises(ValueError, match="window"):
+        context_parallel_attention(q, k, v, mesh=m, axis_name=AXIS, causal=True, window=0,
+                                   implementation="xla")  # fmt: skip
+
+
 def test_global_wrapper_gradients():
     """The wrapper under jit and grad, in natural order, the method left to the rule."""
     n = 4
