@@ -319,3 +319,14 @@ def test_pallas_kernels_in_the_loop():
     for r, want in zip(requests, full_recompute_argmax(model, requests)):
         np.testing.assert_array_equal(r.output, want)
     assert_clean_end(engine)
+
+
+def test_a_refused_duplicate_moves_no_default_seed(small_model):
+    """Submitting a request twice raises; the next request's default seed is still the
+    count of submissions taken (the refused one had counted)."""
+    engine = Engine(small_model, EngineConfig(16, 4, max_seqs=2, max_pages_per_seq=8))
+    first = engine.submit(Request([1, 2, 3], max_new_tokens=2))
+    with pytest.raises(ValueError, match="already submitted"):
+        engine.submit(first)
+    assert first.sampling.seed == 0
+    assert engine.submit(Request([4, 5], max_new_tokens=2)).sampling.seed == 1
