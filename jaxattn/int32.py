@@ -11,17 +11,23 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-__all__ = ["check_int32"]
+__all__ = ["check_int32", "host_values"]
 
 _INT32 = np.iinfo(np.int32)
+
+
+def host_values(x) -> np.ndarray | None:
+    """`x` as a numpy array if it is a host value (numpy, a list, a number); None for JAX
+    arrays and tracers (already int32, or traced: not looked at)."""
+    return None if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def check_int32(where: str, name: str, x) -> None:
     """A ValueError naming `where` and `name` if `x` is a host integer array (numpy, a
     list) with values outside int32. JAX arrays and tracers pass: already int32, or traced."""
-    if isinstance(x, jax.Array):
+    raw = host_values(x)
+    if raw is None:
         return
-    raw = np.asarray(x)
     if raw.dtype.kind in "iu" and raw.size and (raw.min() < _INT32.min or raw.max() > _INT32.max):
         raise ValueError(
             f"{where}: {name} holds values outside int32 ({raw.min()}..{raw.max()}); "

@@ -26,10 +26,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jaxtyping import Array, Int
 
-from jaxattn.int32 import check_int32
+from jaxattn.int32 import check_int32, host_values
 from jaxattn.manager import KVCacheManager
 from pallas_kernels.cache_read import ring_position
 
@@ -309,12 +308,10 @@ class AttentionMetadata:
 
 def _check_host_q_lens(seq_ids, q_lens) -> None:
     """A ValueError for a negative q_len of a live row (`seq_ids >= 0`), where both arrays
-    are host values (numpy, lists): traced ones cannot be looked at."""
-    if isinstance(seq_ids, Tracer) or isinstance(q_lens, Tracer):
-        return
-    ids, lens = np.asarray(seq_ids), np.asarray(q_lens)
-    if ids.shape != lens.shape:
-        return  # the shape check that follows names both
+    are host values (numpy, lists; `host_values`)."""
+    ids, lens = host_values(seq_ids), host_values(q_lens)
+    if ids is None or lens is None or ids.shape != lens.shape:
+        return  # (the shape check that follows names both)
     bad = np.flatnonzero((ids >= 0) & (lens < 0))
     if bad.size:
         raise ValueError(

@@ -406,8 +406,8 @@ def word_part_scales(v_scale):
 
 
 def read_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=None,
-                 asm: bool = False, unscaled: bool = False, kv: int = 1,
-                 biased: bool = False):  # fmt: skip
+               asm: bool = False, unscaled: bool = False, kv: int = 1,
+               biased: bool = False):  # fmt: skip
     """A V (or INT4 K) tile of `block` tokens read as words from `ref` (the pool viewed as
     `[..., D / 4]` words of four codes, `word_view`: int32 for 8-bit codes, int16 for
     INT4): four parts `[block, D / 4]` of `dtype`, holding the channels `word_columns`
@@ -423,12 +423,12 @@ def read_words(ref, fmt: CacheFormat, at, t_ok, head_dim: int, dtype, scales=Non
     words, one load serves four channels and a byte permute (INT8, FP8) or a shift (INT4)
     pairs two tokens' codes (H100, B64 ctx16384: INT8 per tensor 0.81 -> 0.77 ms, groups
     of 8 1.16 -> 0.98; bench/HISTORY.md, probes of 2026-11-26 09:32-09:41 UTC)."""
+    if biased and not (fmt.factored(head_dim) or unscaled):
+        raise ValueError("read_words: biased values need factored scales or unscaled")
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
     width = head_dim // 4
     raw = plgpu.load(ref.at[(*index, jnp.arange(width)[None, :])], mask=t_ok[:, None], other=0)
-    if biased and not (fmt.factored(head_dim) or unscaled):
-        raise ValueError("read_words: biased values need factored scales or unscaled")
     if fmt.factored(head_dim) or unscaled:  # the codes' values; the caller applies the scales
         asm = asm and dtype == jnp.bfloat16
         return tuple(words_to_values(raw, fmt.dtype, dtype, asm=asm, biased=biased))

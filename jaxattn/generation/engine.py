@@ -218,15 +218,10 @@ class Engine:
     def submit(self, request: Request) -> Request:
         """Queues `request` (a request whose sampling seed is None gets its submission
         index), or rejects it if it can never fit. Returns it."""
-        seed = request.sampling.seed
-        if seed is None:
+        queued = self.scheduler.submit(request)  # raises for a request submitted before
+        if request.sampling.seed is None:
             request.sampling = dataclasses.replace(request.sampling, seed=self._submitted)
-        try:
-            queued = self.scheduler.submit(request)  # raises for a request submitted before
-        except ValueError:
-            request.sampling = dataclasses.replace(request.sampling, seed=seed)
-            raise
-        self._submitted += 1  # a refused duplicate moves no later request's default seed
+        self._submitted += 1  # (after: a refused duplicate moves no default seed)
         if not queued:
             self.stats.rejected += 1
         return request

@@ -247,7 +247,7 @@ def _paged_decode_kernel(
         )  # fmt: skip
         if k_words:
             k = read_words(k_ref, fmt, at, t_ok, head_dim, dtype, k_scales, asm=not interpret,
-                             kv=0, biased=biased_keys)  # fmt: skip
+                           kv=0, biased=biased_keys)  # fmt: skip
         else:
             k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
         k_scale = v_scale = part_scales = None
