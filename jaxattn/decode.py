@@ -189,14 +189,19 @@ def paged_decode(
 
 
 def default_decode_config(
-    cache: PagedKVCache, batch: int, max_context: int, query_group: int = 0
+    cache: PagedKVCache,
+    batch: int,
+    max_context: int,
+    query_group: int = 0,
+    rope_on_read: bool = False,
 ) -> PagedDecodeConfig:
     """The decode kernel's tiling for `batch` rows over `cache` with tables of `max_context`
     tokens when none is given: `PagedDecodeConfig.for_format` of the cache's format;
-    `query_group`: query heads a kv head serves (0: not known)."""
+    `query_group`: query heads a kv head serves (0: not known); `rope_on_read`: the
+    kernel rotates keys on read (`PagedDecodeConfig.heuristic`)."""
     return PagedDecodeConfig.for_format(
         cache_format(cache), cache.head_dim, batch, cache.num_kv_heads, max_context,
-        cache.page_size, query_group=query_group,
+        cache.page_size, query_group=query_group, rope_on_read=rope_on_read,
     )  # fmt: skip
 
 

@@ -533,23 +533,20 @@ def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, i
                    query_group=0):  # fmt: skip
     """`paged_decode` over `cache` with the step's options, and its tiling: `config.decode`
     or the heuristic for the plan's rows (its tokens when decode-only); `query_group`:
-    query heads a kv head serves (0: not known). With rope on read the kernel applies
-    group scales per value (no stacked rows): the heuristic is not told the group."""
+    query heads a kv head serves (0: not known)."""
     decode_config = config.decode or default_decode_config(
         cache,
         meta.max_tokens if meta.decode_only else meta.max_seqs,
         meta.max_pages * cache.page_size,
-        query_group if rope is None else 0,
+        query_group,
+        rope_on_read=rope is not None,
     )
     if rope is not None and config.decode is None:
         # The same float32 table tiles per stage: at most 64 keys, not pipelined
-        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100). K is read as
-        # bytes with rope on read: no fewer query rows than K as bytes takes (8).
-        rows = decode_config.query_rows
+        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
         decode_config = dataclasses.replace(
-            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1,
-            k_words=False, query_rows=max(rows, 8) if decode_config.k_words else rows,
-        )  # fmt: skip
+            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
+        )
     return functools.partial(
         paged_decode,
         k_pages=cache.k_pages,

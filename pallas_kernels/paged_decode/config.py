@@ -91,6 +91,7 @@ class PagedDecodeConfig:
         pages: bool = True,
         head_dim: int = 0,
         query_group: int = 0,
+        rope_on_read: bool = False,
     ) -> PagedDecodeConfig:
         """Split the context when `batch * num_kv_heads` programs cannot fill the GPU.
 
@@ -179,6 +180,8 @@ class PagedDecodeConfig:
           (groups of 32 at D 128) applies its scales through stacked rows, 4 query rows
           (`stacked_groups`; `head_dim` and `query_group`, the query heads a kv head
           serves, decide it; 0: not known, not stacked).
+          `rope_on_read`: the kernel rotates keys as it reads them, which it does with K
+          read as bytes and group scales per value: no K half-words, no stacked rows.
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -203,7 +206,7 @@ class PagedDecodeConfig:
             return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
         rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
-        stack = stacked_groups(code, group_size, head_dim, query_group)
+        stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and (head_dim > _SHORT_STACKED_DIM or programs >= sm_count) and pages and v_words:
             return cls(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
         if programs >= sm_count and words:
@@ -213,7 +216,7 @@ class PagedDecodeConfig:
                 return cls(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
         if code == "int8" and row_scales and not words:
             return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
-        k_words = code == "int4" and v_words  # (stacked rows returned above)
+        k_words = code == "int4" and v_words and not rope_on_read  # (stacked: returned above)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and programs >= sm_count
         stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3
@@ -231,14 +234,16 @@ class PagedDecodeConfig:
         max_context: int,
         page_size: int,
         query_group: int = 0,
+        rope_on_read: bool = False,
     ) -> PagedDecodeConfig:
         """`heuristic` for pools of format `fmt` (`cache_read.CacheFormat`) and head dim;
-        `query_group`: query heads a kv head serves (0: not known)."""
+        `query_group`: query heads a kv head serves (0: not known); `rope_on_read`: as
+        `heuristic`'s."""
         return cls.heuristic(
             batch, num_kv_heads, max_context, page_size,
             code=fmt.dtype, row_scales=fmt.one_group_a_row, group_size=fmt.group_size,
             v_words=reads_v_words(fmt, head_dim), pages=fmt.layout == PAGES,
-            head_dim=head_dim, query_group=query_group,
+            head_dim=head_dim, query_group=query_group, rope_on_read=rope_on_read,
         )  # fmt: skip
 
 
