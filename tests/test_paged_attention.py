@@ -535,9 +535,9 @@ def test_decode_tiling_is_told_the_query_group(monkeypatch):
     seen = []
     real = paged.default_decode_config
 
-    def spy(cache, batch, max_context, query_group=0):
+    def spy(cache, batch, max_context, query_group=0, rope_on_read=False):
         seen.append(query_group)
-        return real(cache, batch, max_context, query_group)
+        return real(cache, batch, max_context, query_group, rope_on_read)
 
     monkeypatch.setattr(paged, "default_decode_config", spy)
     run_two_calls((Row(3, 1), Row(0, 2)), Opts("gqa", hkv=2), "pallas", "float32")
