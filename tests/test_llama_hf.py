@@ -127,6 +127,25 @@ def test_config_json_top_level_original_context(kind):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_config_refuses_partial_rotary(where):
+    """Partial rotary is not this model's: refused wherever the config puts it (4.x
+    configs keep it at the top level, 5.x in `rope_parameters`)."""
+    cfg = dict(vocab_size=10, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+               num_attention_heads=4)  # fmt: skip
+    if where == "top":
+        cfg["partial_rotary_factor"] = 0.5
+    else:
+        cfg["rope_parameters"] = dict(
+            rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5
+        )
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        LlamaConfig.from_hf(cfg)
+    cfg.pop("partial_rotary_factor", None)
+    cfg.pop("rope_parameters", None)
+    assert LlamaConfig.from_hf(dict(cfg, partial_rotary_factor=1.0)).head_dim == 16
+
+
 def test_logits_match_transformers(models):
     hf, model = models
     tokens, lengths = prompts()

@@ -126,8 +126,10 @@ class LlamaConfig:
         original = get("original_max_position_embeddings")
         if kind in ("llama3", "yarn") and original:  # the config's own wins, as in transformers
             rope["original_max_position_embeddings"] = original
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"LlamaConfig.from_hf: {rope['partial_rotary_factor']=} != 1")
+        # Partial rotary: in the rope dict (transformers 5.x) or at the top (4.x, Phi style).
+        partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        if partial is not None and partial != 1.0:
+            raise ValueError(f"LlamaConfig.from_hf: partial_rotary_factor={partial} != 1")
         num_q_heads = get("num_attention_heads")
         return cls(
             vocab_size=get("vocab_size"),
