@@ -295,9 +295,9 @@ def test_dynamic_ntk_tokens_do_not_depend_on_batching():
     config = EngineConfig(num_pages=64, page_size=4, max_seqs=4, max_pages_per_seq=16,
                           token_buckets=(64,))  # fmt: skip
     texts = prompts((3, 3, 3, 40), SMALL.vocab_size, seed=3)
+    engine = Engine(model, config, seed=0)  # one engine (one compile) for every run
 
     def run(order):
-        engine = Engine(model, config, seed=0)
         requests = [Request(texts[i], 4, sampling=SamplingParams(1.0, seed=i)) for i in order]
         engine.run(requests, progress=False)
         return {i: r.output for i, r in zip(order, requests)}
@@ -305,6 +305,7 @@ def test_dynamic_ntk_tokens_do_not_depend_on_batching():
     alone = {i: run([i])[i] for i in range(3)}
     mixed = run([0, 1, 2, 3])
     assert all(mixed[i] == alone[i] for i in range(3))
+    assert_clean_end(engine)
 
 
 def test_pallas_kernels_in_the_loop():
