@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 GPU_PY ?= python3
 GPU_WORKERS ?= 12
 
-.PHONY: demo test test-gpu test-gpu-dense test-gpu-grad test-gpu-rest test-gpu-mosaic bench lint \
-	clean
+.PHONY: demo test test-gpu test-gpu-dense test-gpu-grad test-gpu-kernels test-gpu-rest \
+	test-gpu-mosaic bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,17 +27,21 @@ test: $(VENV)/.installed
 
 # The same suite with the kernels compiled for the GPU (bf16 tolerances, bigger shapes).
 # Triton compiles are CPU-bound: GPU_WORKERS workers share the GPU, none preallocating memory.
-# Three parts, so each fits a GPU machine's 10-minute limit on one command (the whole
-# suite takes about 20 min on an H100): the dense ops' suites (attention, reference; 6.5
-# min), the gradient suites (about 7 min), then every other file (a new test file lands
-# in the last part).
+# Four parts, so each fits a GPU machine's 10-minute limit on one command (the whole
+# suite takes about 25 min on an H100): the dense ops' suites (attention, reference; 6.5
+# min), the gradient suites (5 min), the decode and Hopper kernels' files (6 min; with the
+# last part, 12 min, it had outgrown one command), then every other file (a new test file
+# lands in the last part; 6.5 min).
 GPU_PYTEST = XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PY) -m pytest -q -rf \
 	--tb=line -p no:cacheprovider -n $(GPU_WORKERS)
 GPU_DENSE_TESTS = tests/test_attention.py tests/test_reference.py
 GPU_GRAD_TESTS = tests/test_grad.py tests/test_grad_kernels.py tests/test_train_example.py \
 	tests/test_nn.py
+GPU_KERNEL_TESTS = tests/test_decode.py tests/test_ppl.py tests/test_mosaic.py \
+	tests/test_mosaic_backward.py tests/test_beam.py tests/test_cache.py tests/test_generation.py \
+	tests/test_llama_hf.py tests/test_notebooks.py tests/test_stacked.py tests/test_bench_report.py
 
-test-gpu: test-gpu-dense test-gpu-grad test-gpu-rest
+test-gpu: test-gpu-dense test-gpu-grad test-gpu-kernels test-gpu-rest
 
 test-gpu-dense:
 	$(GPU_PYTEST) $(GPU_DENSE_TESTS)
@@ -45,10 +49,14 @@ test-gpu-dense:
 test-gpu-grad:
 	$(GPU_PYTEST) $(GPU_GRAD_TESTS)
 
-test-gpu-rest:
-	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS) $(GPU_GRAD_TESTS) tests/parallel) tests
+test-gpu-kernels:
+	$(GPU_PYTEST) $(GPU_KERNEL_TESTS)
 
-# The Hopper (Mosaic GPU) kernels' own files alone (also part of test-gpu-rest): a quick
+test-gpu-rest:
+	$(GPU_PYTEST) $(addprefix --ignore=,$(GPU_DENSE_TESTS) $(GPU_GRAD_TESTS) $(GPU_KERNEL_TESTS) \
+		tests/parallel) tests
+
+# The Hopper (Mosaic GPU) kernels' own files alone (also in test-gpu-kernels and -rest): a quick
 # check on another sm90 kind (H200).
 test-gpu-mosaic:
 	$(GPU_PYTEST) tests/test_mosaic.py tests/test_mosaic_backward.py tests/test_mosaic_lengths.py \
