@@ -29,7 +29,7 @@ test: $(VENV)/.installed
 # Triton compiles are CPU-bound: GPU_WORKERS workers share the GPU, none preallocating memory.
 # Four parts, so each fits a GPU machine's 10-minute limit on one command (the whole
 # suite takes about 25 min on an H100): the dense ops' suites (attention, reference; 6.5
-# min), the gradient suites (5 min), the decode and Hopper kernels' files (6 min; with the
+# min), the gradient suites (5-7 min), the decode and Hopper kernels' files (6 min; with the
 # last part, 12 min, it had outgrown one command), then every other file (a new test file
 # lands in the last part; 6.5 min).
 GPU_PYTEST = XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PY) -m pytest -q -rf \
