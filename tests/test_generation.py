@@ -165,6 +165,33 @@ def test_scheduler_chunks_decode_first_and_waits_for_slots_and_pages():
     assert sched.to_release == [b.slot, a.slot] and c.slot == a.slot == 0
 
 
+def test_a_blocked_prompt_is_not_overtaken():
+    """Three generating rows leave 3 of 6 tokens: no page for a long prompt. A shorter
+    prompt admitted after it must not take that leftover (it would then generate and keep
+    the budget short, step after step); once a generating row ends, the long prompt's
+    chunk comes first."""
+    limits = Limits(max_tokens=6, max_seqs=5, page_size=4, num_pages=64, max_pages_per_seq=8,
+                    vocab_size=10)  # fmt: skip
+    sched = Scheduler(limits)
+    gens = [Request([1], n, name=f"g{i}") for i, n in enumerate((2, 9, 9))]
+    for r in gens:
+        sched.submit(r)
+    sched.complete(sched.schedule(), [7] * 3)  # prefilled: the three generate from now
+    long, short = Request([1] * 9, 2, name="long"), Request([1, 2], 2, name="short")
+    for r in (long, short):
+        sched.submit(r)
+
+    def step(want):
+        rows = sched.schedule()
+        assert [(r.name, n) for r, n in rows] == want
+        sched.complete(rows, [7] * len(rows))
+
+    step([("g0", 1), ("g1", 1), ("g2", 1)])  # short held back behind long; g0 ends
+    step([("g1", 1), ("g2", 1), ("long", 4)])
+    step([("g1", 1), ("g2", 1), ("long", 4)])
+    step([("g1", 1), ("g2", 1), ("long", 1), ("short", 2)])
+
+
 def test_rejections_name_the_reason():
     limits = Limits(max_tokens=8, max_seqs=2, page_size=4, num_pages=6, max_pages_per_seq=8,
                     vocab_size=10)  # fmt: skip

@@ -54,7 +54,9 @@ class EngineConfig:
     needs `len(prompt) + max_new_tokens - 1 <= M * page_size`. token_buckets: the step
     sizes T, increasing; the largest is the per-step token budget and must hold a token of
     every running request and a page (`>= max(max_seqs, page_size)`); with at least
-    `max_seqs + page_size`, prompts progress even while every other request generates.
+    `max_seqs + page_size`, prompts progress even while every other request generates
+    (with less, a prompt waits for generating requests to finish, and the prompts admitted
+    after it wait behind it).
     """
 
     num_pages: int

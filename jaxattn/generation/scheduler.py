@@ -17,7 +17,11 @@ the queue is not overtaken, so it cannot starve).
 
 Each step's token budget goes first to one token per generating request (their latency),
 then to prompt chunks in admission order: a chunk is a multiple of `page_size` (each chunk
-starts on a page boundary) except a prompt's last, which may be any length.
+starts on a page boundary) except a prompt's last, which may be any length. A prompt that
+gets no chunk (less than a page of budget left, and more than that left of the prompt)
+holds back the prompts admitted after it for the step: otherwise a stream of short
+prompts could take the leftover budget step after step, start generating, and so keep a
+long prompt waiting without end.
 """
 
 from __future__ import annotations
@@ -191,9 +195,10 @@ class Scheduler:
             remaining = len(r.prompt) - r.prefilled
             page_size = self.limits.page_size
             n = remaining if remaining <= budget else budget // page_size * page_size
-            if n:
-                rows.append((r, n))
-                budget -= n
+            if not n:  # no overtaking: later prompts wait behind this one (module doc)
+                break
+            rows.append((r, n))
+            budget -= n
         return rows
 
     def complete(self, rows: list[tuple[Request, int]], sampled: Sequence[int]):
