@@ -4,6 +4,7 @@ ring or all-to-all (Ulysses) attention, whichever the shape favours."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 
 import jax
@@ -157,14 +158,20 @@ def _mapped(method: str, mesh: Mesh, axis_name: str, return_lse: bool, static: t
     return jax.jit(mapped)
 
 
-# `jaxattn.attention`'s options whose default is not None.
-_DEFAULTS = dict(sink_tokens=0, return_lse=False)
+@functools.cache
+def _defaults() -> dict:
+    """`jaxattn.attention`'s keyword defaults, read from its signature when first needed
+    (`jaxattn.attention` imports this package: not at import time)."""
+    from jaxattn.attention import attention
+
+    params = inspect.signature(attention).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
 
 def _is_default(name: str, x) -> bool:
     """An option left as `attention`'s default: not an option in use. (Only the default
     itself: `window=0` is an error `attention` reports, not a default.)"""
-    default = _DEFAULTS.get(name)
+    default = _defaults().get(name)
     return x is None or (type(x) is type(default) and x == default)
 
 
