@@ -541,12 +541,6 @@ def _decode_kernel(cache, meta, options, alibi_slopes, config, fmt, quant_out, i
         query_group,
         rope_on_read=rope is not None,
     )
-    if rope is not None and config.decode is None:
-        # The same float32 table tiles per stage: at most 64 keys, not pipelined
-        # (128 keys in 2 stages asked for 336 KiB with float32 q on an H100).
-        decode_config = dataclasses.replace(
-            decode_config, block_kv=min(decode_config.block_kv, 64), num_stages=1
-        )
     return functools.partial(
         paged_decode,
         k_pages=cache.k_pages,

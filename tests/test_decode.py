@@ -256,9 +256,11 @@ def test_decode_heuristic_int4_keys_as_words():
             assert not heuristic(*shape, code="int4", group_size=group_size, v_words=False).k_words
         for code, group_size in (("int4", 32), ("int8", 8), ("int8", 0)):
             assert not heuristic(*shape, code=code, group_size=group_size).k_words, code
-        for group_size in (0, 16, 32):  # rope on read: K as bytes, scales per value
-            config = heuristic(*shape, code="int4", group_size=group_size, rope_on_read=True)
+        for code, group_size in (("int4", 0), ("int4", 16), ("int4", 32), (None, 0)):
+            # rope on read: K as bytes, scales per value; its tables' 64-token blocks, 1 stage
+            config = heuristic(*shape, code=code, group_size=group_size, rope_on_read=True)
             assert not (config.k_words or config.stacked) and config.query_rows >= 8
+            assert (config.block_kv, config.num_stages) == (64, 1), (code, group_size)
 
 
 @pytest.mark.parametrize("batch, context", [(64, 16384), (8, 8192)])

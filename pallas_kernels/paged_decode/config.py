@@ -181,10 +181,40 @@ class PagedDecodeConfig:
           (`stacked_groups`; `head_dim` and `query_group`, the query heads a kv head
           serves, decide it; 0: not known, not stacked).
           `rope_on_read`: the kernel rotates keys as it reads them, which it does with K
-          read as bytes and group scales per value: no K half-words, no stacked rows.
+          read as bytes and group scales per value: no K half-words, no stacked rows; and
+          its float32 rotation tables take shared memory per stage: at most 64-token
+          blocks, one stage (128 keys in 2 stages asked for 336 KiB with float32 queries
+          on an H100).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
+        config = cls._tiling(
+            batch, num_kv_heads, max_context, sm_count, code=code, row_scales=row_scales,
+            group_size=group_size, v_words=v_words, pages=pages, head_dim=head_dim,
+            query_group=query_group, rope_on_read=rope_on_read,
+        )  # fmt: skip
+        if rope_on_read:
+            config = dataclasses.replace(config, block_kv=min(config.block_kv, 64), num_stages=1)
+        return config
+
+    @classmethod
+    def _tiling(
+        cls,
+        batch,
+        num_kv_heads,
+        max_context,
+        sm_count,
+        *,
+        code,
+        row_scales,
+        group_size,
+        v_words,
+        pages,
+        head_dim,
+        query_group,
+        rope_on_read,
+    ) -> PagedDecodeConfig:
+        """`heuristic`'s choice but the rope-on-read cap."""
         sm_count = sm_count or device_sm_count(_DEFAULT_SM_COUNT)
         programs = max(1, batch * num_kv_heads)  # (an empty batch still gets a tiling)
         if programs >= sm_count and code is None:
