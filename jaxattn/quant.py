@@ -250,7 +250,10 @@ def quantize(
     if quant.granularity == "tensor":
         y = x * (1.0 / scale.astype(jnp.float32))
     else:
-        y = x / _per_channel(scale, x.shape[-1])
+        # The barrier keeps the division exact: with one group a row the per-channel scale
+        # is a broadcast, and XLA rewrites `x / broadcast(s)` as `x * broadcast(1 / s)`,
+        # an ulp off, which rounds a tie (x / s = k + 1/2) to the odd code.
+        y = x / jax.lax.optimization_barrier(_per_channel(scale, x.shape[-1]))
     if quant.dtype == "float8_e4m3fn":
         return _round_e4m3fn(jnp.clip(y, -quant.qmax, quant.qmax)).astype(jnp.float8_e4m3fn)
     q = jnp.clip(jnp.round(y), -quant.qmax, quant.qmax).astype(jnp.int8)

@@ -297,6 +297,20 @@ def test_features_pallas(name):
     check(case, run(case, "pallas"), name)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_a_tie_is_written_to_the_even_code(implementation):
+    """A decode row whose current V holds an exact tie (x / s = -6.5, s = 2.84375 / 7 in
+    float16) with one group a row: the op stores -6, as the oracle (it had stored -7, the
+    output then off by p * s = 0.04)."""
+    case = case_for("tie", seqlens=(1,), kvlens=(3,), decoding_batches=1, pad_tokens=0,
+                    cache_layout=3, cache_mode=0, quant_bit=4, head_dim=64, quant_group=64,
+                    dtype="bfloat16")  # fmt: skip
+    row = np.zeros(64, np.float32)
+    row[0], row[1] = 2.84375, -2.640625
+    case.current_value[0, 0] = row.astype(case.current_value.dtype)
+    check(case, run(case, implementation), "tie")
+
+
 def test_decoding_batches_python_int():
     case = case_for("static", cache_mode=1, decoding_batches=3)
     check(case, run(case, "xla", traced_decoding=False))

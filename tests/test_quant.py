@@ -163,6 +163,22 @@ def test_ties_round_to_even(dtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_ties_round_to_even_under_jit(dtype, groups):
+    """x / s = -6.5 exactly rounds to -6 under jit, one group a row too: there the scale
+    is a broadcast, and XLA had rewritten `x / s` as `x * (1 / s)` = -6.5000005 -> -7
+    (found through a one-element miss of the OpenPPL op's oracle)."""
+    d = 64
+    quant = KVQuant(dtype, "group", d // groups)
+    x = np.zeros((1, 1, d), np.float32)
+    x[..., 1] = -6.5 * 0.40625
+    scale = jnp.full((1, 1, groups), 0.40625, jnp.bfloat16)
+    codes = jax.jit(functools.partial(quantize, quant=quant))(jnp.asarray(x), scale)
+    codes = unpack_int4(codes) if dtype == "int4" else codes
+    assert int(codes[0, 0, 1]) == -6
+
+
 @pytest.mark.parametrize("quant", QUANTS, ids=qid)
 def test_round_trip_error_bounds(quant):
     rng = util.rng_for("round_trip_bound", qid(quant))
