@@ -146,6 +146,41 @@ def test_config_refuses_partial_rotary(where):
     assert LlamaConfig.from_hf(dict(cfg, partial_rotary_factor=1.0)).head_dim == 16
 
 
+def test_mistral_sliding_window_matches_transformers():
+    """Mistral's `sliding_window` (Llama's weights otherwise) becomes each layer's window:
+    logits past the window equal transformers' (it had been dropped: the model attended
+    to the whole prefix)."""
+    cfg = transformers.MistralConfig(**dict(TINY, num_hidden_layers=1, sliding_window=3))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    config = LlamaConfig.from_hf(hf.config)
+    assert config.sliding_window == 3
+    model = load_hf_state_dict(config, hf.state_dict())
+    tokens = np.random.default_rng(0).integers(1, TINY["vocab_size"], (1, 10))
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens, jnp.int32))), want,
+                               **LOGITS_TOL)  # fmt: skip
+
+
+def test_sliding_window_on_some_layers_is_refused():
+    """Qwen2-style windows: off without `use_sliding_window`; on every layer, or on none,
+    from `max_window_layers` (4.x) or `layer_types`; on some layers only, refused."""
+    base = dict(vocab_size=10, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, sliding_window=8)  # fmt: skip
+    window = lambda **kw: LlamaConfig.from_hf(dict(base, **kw)).sliding_window  # noqa: E731
+    assert window() == 8
+    assert window(use_sliding_window=False) is None
+    assert window(use_sliding_window=True, max_window_layers=0) == 8
+    assert window(use_sliding_window=True, max_window_layers=2) is None
+    assert window(layer_types=["full_attention"] * 2) is None
+    for kw in (dict(use_sliding_window=True, max_window_layers=1),
+               dict(layer_types=["full_attention", "sliding_attention"])):  # fmt: skip
+        with pytest.raises(ValueError, match="sliding_window=8 on some layers only"):
+            window(**kw)
+
+
 def test_logits_match_transformers(models):
     hf, model = models
     tokens, lengths = prompts()

@@ -71,6 +71,8 @@ class LlamaConfig:
       rms_norm_eps: epsilon of every RMSNorm.
       tie_word_embeddings: logits from the embedding matrix (no lm_head).
       attention_bias: biases on q/k/v/o; mlp_bias: on gate/up/down.
+      sliding_window: None, or each token attends to the last this many tokens, itself
+        included (Mistral's `sliding_window`; `jaxattn.attention`'s `window`).
     """
 
     vocab_size: int
@@ -86,6 +88,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -98,6 +101,9 @@ class LlamaConfig:
                 f"LlamaConfig: num_q_heads={self.num_q_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"LlamaConfig: sliding_window={window!r} must be None or an int >= 1")
         self.rope.rotary_dim_for(self.head_dim)  # validates theta, scaling, head_dim
 
     @property
@@ -108,8 +114,10 @@ class LlamaConfig:
     def from_hf(cls, hf_config) -> LlamaConfig:
         """From a transformers `LlamaConfig` (4.x or 5.x) or its config.json as a dict.
 
-        Raises ValueError for what this model does not compute (an activation other than
-        SiLU, partial rotary) and NotImplementedError for an unknown `rope_type`. A
+        A `sliding_window` (Mistral; Qwen2's only with `use_sliding_window`) becomes every
+        layer's window. Raises ValueError for what this model does not compute (an
+        activation other than SiLU, partial rotary, windows on some layers only) and
+        NotImplementedError for an unknown `rope_type`. A
         top-level `original_max_position_embeddings` takes precedence over the scaling
         dict's for llama3 and yarn, as transformers reads it.
         """
@@ -130,6 +138,7 @@ class LlamaConfig:
         partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
         if partial is not None and partial != 1.0:
             raise ValueError(f"LlamaConfig.from_hf: partial_rotary_factor={partial} != 1")
+        window = _sliding_window(get)
         num_q_heads = get("num_attention_heads")
         return cls(
             vocab_size=get("vocab_size"),
@@ -145,4 +154,28 @@ class LlamaConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             attention_bias=bool(get("attention_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)),
+            sliding_window=window,
         )
+
+
+def _sliding_window(get) -> int | None:
+    """An HF config's window of every layer (`get(name, default)` reads the config): its
+    `sliding_window` where it applies (Qwen2: with `use_sliding_window`, on the layers
+    `layer_types` says, or in 4.x from `max_window_layers` on). Raises ValueError where it
+    applies to some layers only."""
+    window = get("sliding_window") if get("use_sliding_window", True) else None
+    layer_types = set(get("layer_types") or ())
+    first = get("max_window_layers")
+    if window is not None and not layer_types and first is not None:
+        layer_types = {
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(get("num_hidden_layers"))
+        }
+    if window is None or layer_types == {"full_attention"}:
+        return None
+    if layer_types - {"sliding_attention"}:
+        raise ValueError(
+            f"LlamaConfig.from_hf: sliding_window={window} on some layers only (layer types "
+            f"{sorted(layer_types)}): this model windows every layer or none"
+        )
+    return window

@@ -74,6 +74,7 @@ class DecoderLayer(nnx.Module):
             rope=config.rope,
             qkv_bias=config.attention_bias,
             out_bias=config.attention_bias,
+            window=config.sliding_window,
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
