@@ -222,6 +222,22 @@ def test_bad_calls_name_the_problem():
         module(x[0], cache=object())
     with pytest.raises(ValueError, match=r"expected \[B, T, d_model\]"):
         module(x[0])
+    with pytest.raises(ValueError, match="num_kv_heads=0 must be an int >= 1"):
+        Attention(D_MODEL, 4, 0, D, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_serving_over_a_mismatched_cache_names_it(fused_qkv):
+    """A cache of 3 kv heads for a layer of 2 (fused: the op would have split the
+    projection by 3 and run, o_proj then failing on a shape), or of another head dim."""
+    module = make_attention(fused_qkv=fused_qkv)
+    meta = jaxattn.AttentionMetadata.from_lists([5], [5], [[0, 1]], PAGE, max_tokens=8,
+                                                max_seqs=1, max_pages=2)  # fmt: skip
+    x = jnp.ones((8, D_MODEL))
+    for heads, dim in ((HKV + 1, D), (HKV, 2 * D)):
+        cache = jaxattn.PagedKVCache.create(4, PAGE, heads, dim, jnp.float32)
+        with pytest.raises(ValueError, match=f"a cache of {heads} kv heads of dim {dim}"):
+            module(x, cache=cache, meta=meta)
 
 
 # ------------------------------------------------------------------ serving mode

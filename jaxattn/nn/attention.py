@@ -95,6 +95,11 @@ class Attention(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
+        sizes = dict(d_model=d_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim)  # fmt: skip
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Attention: {name}={value!r} must be an int >= 1")
         if num_q_heads % num_kv_heads:
             raise ValueError(f"Attention: {num_q_heads=} must be a multiple of {num_kv_heads=}")
         if rope is not None and not isinstance(rope, RoPE):
@@ -207,6 +212,12 @@ class Attention(nnx.Module):
 
     def _serve(self, x, cache, meta):
         on_read = dict(rope_on_read=True) if self.rope_on_read else {}
+        if cache.num_kv_heads % self.num_kv_heads or cache.head_dim != self.head_dim:
+            raise ValueError(
+                f"Attention: a cache of {cache.num_kv_heads} kv heads of dim {cache.head_dim} "
+                f"for a layer of num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}: "
+                "the cache needs the layer's head dim and a multiple of its kv heads"
+            )
         copies = cache.num_kv_heads // self.num_kv_heads
         if self.fused_qkv and self.q_norm is None and copies == 1:  # the op reads the
             # projection in place (a duplicated cache needs k and v repeated first)
