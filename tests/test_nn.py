@@ -224,6 +224,12 @@ def test_bad_calls_name_the_problem():
         module(x[0])
     with pytest.raises(ValueError, match="num_kv_heads=0 must be an int >= 1"):
         Attention(D_MODEL, 4, 0, D, rngs=nnx.Rngs(0))
+    # At construction, not first when served: rope on read with dynamic NTK, an odd head dim.
+    dynamic = jaxattn.RoPE(scaling=jaxattn.DynamicNTKScaling(2.0, 16))
+    with pytest.raises(ValueError, match="Attention: rope_on_read=True with .*dynamic NTK"):
+        Attention(D_MODEL, 4, 2, D, rope=dynamic, rope_on_read=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="head_dim=7 is odd"):
+        Attention(28, 4, 2, 7, rope=jaxattn.RoPE(), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])

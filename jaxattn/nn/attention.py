@@ -19,6 +19,7 @@ import jaxattn
 from jaxattn.cache import PagedKVCache
 from jaxattn.nn.sharding import logical_axes
 from jaxattn.rope import RoPE, apply_rope
+from jaxattn.streaming import check_rope_on_read
 
 __all__ = ["Attention"]
 
@@ -104,9 +105,13 @@ class Attention(nnx.Module):
             raise ValueError(f"Attention: {num_q_heads=} must be a multiple of {num_kv_heads=}")
         if rope is not None and not isinstance(rope, RoPE):
             raise ValueError(f"Attention: rope={rope!r}: expected a jaxattn.RoPE or None")
+        if rope is not None:
+            rope.rotary_dim_for(head_dim)  # an odd head dim or too large a rotary_dim
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        if rope_on_read and rope is None:
-            raise ValueError("Attention: rope_on_read=True needs rope=jaxattn.RoPE(...)")
+        try:  # not only when serving: a full-mode layer is served later
+            check_rope_on_read(rope, rope_on_read)
+        except ValueError as e:
+            raise ValueError(f"Attention: {e}") from None
         self.rope, self.fused_qkv, self.causal = rope, fused_qkv, causal
         self.rope_on_read = bool(rope_on_read)
         self.options = dict(window=window, sink_tokens=sink_tokens, soft_cap=soft_cap, scale=scale)
