@@ -233,15 +233,19 @@ class AttentionMetadata:
         positions = np.zeros(max_tokens, np.int64)
         slots = np.full(max_tokens, -1, np.int64)
         for s in range(n):
+            # Every page the row's positions are stored in (the new ones and those before:
+            # a ring stores them in its first kept + size places) is in its table.
+            places = ctx[s] if ring is None else min(ctx[s], sum(ring))
+            held = tables[s, : -(-places // page_size)]
+            if places > max_pages * page_size or np.any(held < 0):
+                raise ValueError(
+                    f"from_lists: block_tables[{s}] does not hold positions up to {ctx[s] - 1}"
+                )
             pos = np.arange(ctx[s] - q[s], ctx[s])
             stored = np.asarray(ring_position(pos, ring))
             # A chunk longer than a ring writes its sinks and its last `size` tokens only.
             pos_kept = True if ring is None else (pos < ring[0]) | (pos >= ctx[s] - ring[1])
             col = stored // page_size
-            if np.any(col >= max_pages) or np.any(tables[s, col] < 0):
-                raise ValueError(
-                    f"from_lists: block_tables[{s}] does not hold positions up to {ctx[s] - 1}"
-                )
             positions[cu[s] : cu[s + 1]] = pos
             page = tables[s, col]
             slots[cu[s] : cu[s + 1]] = np.where(pos_kept, page * page_size + stored % page_size, -1)
