@@ -234,8 +234,9 @@ class AttentionMetadata:
         slots = np.full(max_tokens, -1, np.int64)
         for s in range(n):
             # Every page the row's positions are stored in (the new ones and those before:
-            # a ring stores them in its first kept + size places) is in its table.
-            places = ctx[s] if ring is None else min(ctx[s], sum(ring))
+            # a ring stores them in its first kept + size places) is in its table; an idle
+            # row (no new token) is not read.
+            places = 0 if not q[s] else ctx[s] if ring is None else min(ctx[s], sum(ring))
             held = tables[s, : -(-places // page_size)]
             if places > max_pages * page_size or np.any(held < 0):
                 raise ValueError(
