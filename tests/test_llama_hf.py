@@ -179,6 +179,15 @@ def test_sliding_window_on_some_layers_is_refused():
                dict(layer_types=["full_attention", "sliding_attention"])):  # fmt: skip
         with pytest.raises(ValueError, match="sliding_window=8 on some layers only"):
             window(**kw)
+    # A Qwen config.json leaving keys out takes transformers' defaults: no window unless
+    # use_sliding_window, and then from layer 28 on (none of these 2).
+    for model_type in ("qwen2", "qwen3"):
+        assert window(model_type=model_type) is None
+        assert window(model_type=model_type, use_sliding_window=True) is None
+        hf = transformers.AutoConfig.for_model(
+            model_type, **base, num_key_value_heads=4, use_sliding_window=True
+        )
+        assert LlamaConfig.from_hf(hf).sliding_window is None
 
 
 def test_logits_match_transformers(models):

@@ -163,9 +163,12 @@ def _sliding_window(get) -> int | None:
     `sliding_window` where it applies (Qwen2: with `use_sliding_window`, on the layers
     `layer_types` says, or in 4.x from `max_window_layers` on). Raises ValueError where it
     applies to some layers only."""
-    window = get("sliding_window") if get("use_sliding_window", True) else None
+    # transformers' defaults where a config dict leaves them out: Qwen2 / Qwen3 window no
+    # layer unless `use_sliding_window`, and then only layers from the 28th on.
+    qwen = str(get("model_type", "")).startswith("qwen")
+    window = get("sliding_window") if get("use_sliding_window", not qwen) else None
     layer_types = set(get("layer_types") or ())
-    first = get("max_window_layers")
+    first = get("max_window_layers", 28 if qwen else None)
     if window is not None and not layer_types and first is not None:
         layer_types = {
             "sliding_attention" if i >= first else "full_attention"
