@@ -236,9 +236,9 @@ class AttentionMetadata:
             # Every page the row's positions are stored in (the new ones and those before:
             # a ring stores them in its first kept + size places) is in its table; an idle
             # row (no new token) is not read.
-            places = 0 if not q[s] else ctx[s] if ring is None else min(ctx[s], sum(ring))
+            places = ctx[s] if ring is None else min(ctx[s], sum(ring))
             held = tables[s, : -(-places // page_size)]
-            if places > max_pages * page_size or np.any(held < 0):
+            if q[s] and (places > max_pages * page_size or np.any(held < 0)):
                 raise ValueError(
                     f"from_lists: block_tables[{s}] does not hold positions up to {ctx[s] - 1}"
                 )

@@ -188,42 +188,21 @@ class PagedDecodeConfig:
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
-        config = cls._tiling(
-            batch, num_kv_heads, max_context, sm_count, code=code, row_scales=row_scales,
-            group_size=group_size, v_words=v_words, pages=pages, head_dim=head_dim,
-            query_group=query_group, rope_on_read=rope_on_read,
-        )  # fmt: skip
-        if rope_on_read:
-            config = dataclasses.replace(config, block_kv=min(config.block_kv, 64), num_stages=1)
-        return config
 
-    @classmethod
-    def _tiling(
-        cls,
-        batch,
-        num_kv_heads,
-        max_context,
-        sm_count,
-        *,
-        code,
-        row_scales,
-        group_size,
-        v_words,
-        pages,
-        head_dim,
-        query_group,
-        rope_on_read,
-    ) -> PagedDecodeConfig:
-        """`heuristic`'s choice but the rope-on-read cap."""
+        def tiling(block_kv, num_splits, num_warps, num_stages, **kw):  # rope on read: capped
+            if rope_on_read:
+                block_kv, num_stages = min(block_kv, 64), 1
+            return cls(block_kv, num_splits, num_warps, num_stages, **kw)
+
         sm_count = sm_count or device_sm_count(_DEFAULT_SM_COUNT)
         programs = max(1, batch * num_kv_heads)  # (an empty batch still gets a tiling)
         if programs >= sm_count and code is None:
             if max_context >= _LONG_CONTEXT:
                 splits = min(_LONG_PROGRAMS_PER_SM * sm_count // programs, max_context // 1024)
                 if splits > 1:
-                    return cls(block_kv=128, num_splits=splits, num_warps=4, num_stages=2)
+                    return tiling(block_kv=128, num_splits=splits, num_warps=4, num_stages=2)
             splits = max(1, min(_RESIDENT_PER_SM * sm_count // programs, max_context // 128))
-            return cls(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
+            return tiling(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
         splits = -(-2 * sm_count // programs)  # about two programs an SM
         if code == "int4" and group_size == 0 and v_words and programs < sm_count:
@@ -233,26 +212,26 @@ class PagedDecodeConfig:
             splits = max(splits if row_scales else 2 * sm_count // programs, 2)
         splits = min(splits, max(1, max_context // (2 * block_kv)), 64)
         if code is None:
-            return cls(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
+            return tiling(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
         rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and (head_dim > _SHORT_STACKED_DIM or programs >= sm_count) and pages and v_words:
-            return cls(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
+            return tiling(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
         if programs >= sm_count and words:
             if group_size == _SMALL_BLOCK_GROUP:
-                return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
+                return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
             if (code, group_size) in _FOUR_STAGES and not row_scales:
-                return cls(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
+                return tiling(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
         if code == "int8" and row_scales and not words:
-            return cls(64, splits, num_warps=2, num_stages=3, query_rows=rows)
+            return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
         k_words = code == "int4" and v_words and not rope_on_read  # (stacked: returned above)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and programs >= sm_count
         stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3
         if k_words and group_size == _FOUR_ROW_GROUP and pages:
             rows = 4
-        return cls(block_kv, splits, 4, stages, query_rows=rows, k_words=k_words)
+        return tiling(block_kv, splits, 4, stages, query_rows=rows, k_words=k_words)
 
     @classmethod
     def for_format(
