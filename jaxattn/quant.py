@@ -236,6 +236,21 @@ def _round_e4m3fn(y: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return jnp.where(jnp.abs(y) < 2.0**-6, subnormal, normal)
 
 
+def _round_quotient(x: Float[Array, "..."], y: Float[Array, "..."], s) -> Float[Array, "..."]:
+    """`x / s` rounded half to even, exactly, from `y`, an approximation of it within an
+    ulp or two (s > 0, float32, broadcastable against x).
+
+    `jnp.round(y)` alone rounds a tie (x / s = k + 1/2) to the odd code when y is an ulp
+    off, which XLA's division is free to be: it rewrites `x / broadcast(s)` as
+    `x * (1 / s)`, and on GPU divides approximately. So the half-integer `b` next to y is
+    compared with x as `b * s`, a product that is exact for bf16 and float16 scales
+    (|2b| <= 2 qmax + 1 takes 9 bits), and the tie goes to the even neighbour of b.
+    """
+    b = jnp.floor(y) + 0.5
+    t = b * s
+    return jnp.where(x > t, b + 0.5, jnp.where(x < t, b - 0.5, jnp.round(b)))
+
+
 def quantize(
     x: Float[Array, "... D"], scale: Float[Array, "*shape"], quant: KVQuant
 ) -> Shaped[Array, "... Dp"]:
@@ -248,15 +263,14 @@ def quantize(
     quant.check(x.shape[-1])
     _check_scale(scale, quant, x.shape[-1])
     if quant.granularity == "tensor":
-        y = x * (1.0 / scale.astype(jnp.float32))
+        s = scale.astype(jnp.float32)
+        y = x * (1.0 / s)
     else:
-        # The barrier keeps the division exact: with one group a row the per-channel scale
-        # is a broadcast, and XLA rewrites `x / broadcast(s)` as `x * broadcast(1 / s)`,
-        # an ulp off, which rounds a tie (x / s = k + 1/2) to the odd code.
-        y = x / jax.lax.optimization_barrier(_per_channel(scale, x.shape[-1]))
+        s = _per_channel(scale, x.shape[-1])
+        y = x / s
     if quant.dtype == "float8_e4m3fn":
         return _round_e4m3fn(jnp.clip(y, -quant.qmax, quant.qmax)).astype(jnp.float8_e4m3fn)
-    q = jnp.clip(jnp.round(y), -quant.qmax, quant.qmax).astype(jnp.int8)
+    q = jnp.clip(_round_quotient(x, y, s), -quant.qmax, quant.qmax).astype(jnp.int8)
     return pack_int4(q) if quant.dtype == "int4" else q
 
 

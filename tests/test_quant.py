@@ -33,6 +33,7 @@ from quant_oracle import (
 
 from jaxattn.cache import PagedKVCache, gather_kv, write_kv
 from jaxattn.quant import (
+    _round_quotient,
     KVQuant,
     calibrate_kv_scales,
     dequantize,
@@ -177,6 +178,26 @@ def test_group_ties_round_to_even_under_jit(dtype, groups):
     codes = jax.jit(functools.partial(quantize, quant=quant))(jnp.asarray(x), scale)
     codes = unpack_int4(codes) if dtype == "int4" else codes
     assert int(codes[0, 0, 1]) == -6
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float16])
+def test_round_quotient_is_exact_from_an_approximate_quotient(scale_dtype):
+    """The rounding `quantize` applies to `x / s` is exact even when the division that
+    gave `y` was an ulp or two off either way (as XLA's may be on GPU): ties to even,
+    everything else to nearest, against numpy's float64 round-half-even."""
+    rng = util.rng_for("round_quotient", str(scale_dtype))
+    s = np.asarray(jnp.asarray(rng.uniform(2.0**-20, 4.0, 4096), scale_dtype), np.float64)
+    k = rng.integers(-127, 127, 4096) + 0.5
+    # Half the values ties (x = (k + 1/2) s exactly), half fresh points near them.
+    x = np.where(np.arange(4096) % 2 == 0, k * s, (k + rng.uniform(-1, 1, 4096)) * s)
+    x32, s32 = x.astype(np.float32), s.astype(np.float32)
+    want = np.round(x32.astype(np.float64) / s)
+    for ulps in (-2, -1, 0, 1, 2):
+        y = x32 / s32
+        for _ in range(abs(ulps)):
+            y = np.nextafter(y, np.float32(np.sign(ulps) * np.inf))
+        got = jax.jit(_round_quotient)(jnp.asarray(x32), jnp.asarray(y), jnp.asarray(s32))
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"y {ulps} ulps off")
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=qid)
