@@ -236,7 +236,7 @@ def _round_e4m3fn(y: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return jnp.where(jnp.abs(y) < 2.0**-6, subnormal, normal)
 
 
-def _round_quotient(x: Float[Array, "..."], y: Float[Array, "..."], s) -> Float[Array, "..."]:
+def _round_quotient(x: Float[Array, "*s"], y: Float[Array, "*s"], s) -> Float[Array, "*s"]:
     """`x / s` rounded half to even, exactly, from `y`, an approximation of it within an
     ulp or two (s > 0, float32, broadcastable against x).
 

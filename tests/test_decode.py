@@ -241,6 +241,30 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
     assert (few.block_kv, few.num_warps, few.num_stages) == (128, 4, 3)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_heuristic_small_heads(head_dim):
+    """Head dims up to 64, quantized caches of every format and layout: at most 8 query
+    rows (16 ran 2.5-4.5x slower at D 64), no stacked rows; 64-token blocks in 2 warps
+    with >= one program per SM (B64, 8 kv heads), 128-token blocks in 4 warps with fewer
+    (B8), 4 rows there with group scales; INT4 reads K as half-words where V is read as
+    words. D 128 keeps its own tilings, and float caches theirs."""
+    heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
+                                  head_dim=head_dim, query_group=4)  # fmt: skip
+    formats = [(code, group, rows) for code in ("int8", "float8_e4m3fn", "int4")
+               for group, rows in ((0, False), (0, True), (8, False), (16, False))]  # fmt: skip
+    for code, group_size, row_scales in formats:
+        for pages in (True, False):
+            kw = dict(code=code, group_size=group_size, row_scales=row_scales, pages=pages)
+            many, few = heuristic(64, 8, 16384, 16, **kw), heuristic(8, 8, 8192, 16, **kw)
+            assert (many.block_kv, many.num_warps, many.num_stages) == (64, 2, 3), kw
+            assert (few.block_kv, few.num_warps, few.num_stages) == (128, 4, 3), kw
+            assert many.query_rows == 8 and few.query_rows == (4 if group_size else 8), kw
+            assert not many.stacked and not few.stacked, kw
+            assert many.k_words == few.k_words == (code == "int4"), kw
+    assert heuristic(64, 8, 16384, 16, code="int8", head_dim=128).query_rows == 16
+    assert heuristic(64, 8, 16384, 16).block_kv == 128  # bf16: 128-token blocks, 4 splits
+
+
 def test_decode_heuristic_int4_keys_as_words():
     """INT4 reads K as half-words (where V is read as words), groups of 8 only with >= one
     program per SM (B64 8 kv heads, not B8); not with stacked rows (groups of 32 at D
@@ -284,22 +308,22 @@ def test_decode_heuristic_query_rows(batch, context):
 
 def test_decode_heuristic_stacked_groups():
     """Group scales go through stacked rows (4 of them) for INT4 with two groups a half row
-    and kv groups of at most 4 query heads, over our pages (`stacked_groups`; at D 64 with
-    at least one program per SM); not for finer or coarser INT4 groups, larger kv groups,
-    8-bit groups, OpenPPL's layouts, V not read as words, or a head dim or kv group not
-    given."""
+    and kv groups of at most 4 query heads, over our pages (`stacked_groups`; above D 64);
+    not for finer or coarser INT4 groups, larger kv groups, 8-bit groups, OpenPPL's
+    layouts, V not read as words, or a head dim or kv group not given."""
     heuristic = functools.partial(
         jaxattn.PagedDecodeConfig.heuristic, 64, 8, 16384, 16, sm_count=132, code="int4"
     )
-    for head_dim, group_size, query_group in ((128, 32, 4), (64, 16, 4), (256, 64, 1)):
+    for head_dim, group_size, query_group in ((128, 32, 4), (256, 64, 1)):
         config = heuristic(group_size=group_size, head_dim=head_dim, query_group=query_group)
         assert (config.stacked, config.query_rows) == (True, 4), (head_dim, group_size)
         assert (config.block_kv, config.num_warps, config.num_stages) == (128, 4, 3)
-    # fewer programs than SMs (B8, 8 kv heads): D 128 and 256 stack, D 64 does not
+    # fewer programs than SMs (B8, 8 kv heads) as well; D 64 never (`heuristic`'s small heads)
     few = functools.partial(jaxattn.PagedDecodeConfig.heuristic, 8, 8, 8192, 16, sm_count=132,
                             code="int4", query_group=4)  # fmt: skip
     assert few(group_size=32, head_dim=128).stacked and few(group_size=64, head_dim=256).stacked
     assert not few(group_size=16, head_dim=64).stacked
+    assert not heuristic(group_size=16, head_dim=64, query_group=4).stacked
     unstacked = [
         dict(group_size=16), dict(group_size=64), dict(query_group=8),
         dict(code="int8", group_size=64), dict(code="float8_e4m3fn", group_size=64),
@@ -311,7 +335,8 @@ def test_decode_heuristic_stacked_groups():
 
 
 def test_decode_rows_over_ppl_layouts():
-    """OpenPPL's cache layouts keep 16 query rows (8 ran slower through the PPL op)."""
+    """OpenPPL's cache layouts keep 16 query rows at D 128 (8 ran slower through the PPL
+    op); at D 64 they take 8, as our pages do."""
     from pallas_kernels.cache_read import CacheFormat, PoolLayout
 
     ours = CacheFormat("int8", "group", 8)
@@ -319,6 +344,7 @@ def test_decode_rows_over_ppl_layouts():
     config = functools.partial(jaxattn.PagedDecodeConfig.for_format, head_dim=128, batch=64,
                                num_kv_heads=8, max_context=8192, page_size=16)  # fmt: skip
     assert (config(ours).query_rows, config(ppl).query_rows) == (8, 16)
+    assert config(ppl, head_dim=64).query_rows == 8
 
 
 def test_decode_pads_query_rows_as_configured():
@@ -361,12 +387,13 @@ def test_decode_hands_the_heuristic_the_group_size(monkeypatch):
     rng = util.rng_for("group-size-tiling")
     page, num_pages = 8, 4
     tables, lens = jnp.arange(num_pages, dtype=jnp.int32)[None], jnp.asarray([20], jnp.int32)
-    for dtype, group_size, d, want in (  # d 64: groups of 32 short of a row
-        ("int8", 8, 64, (64, 2, 3, 8, False)),
-        ("float8_e4m3fn", 32, 64, (128, 4, 4, 16, False)),
-        ("int8", None, 64, (128, 4, 3, 16, False)),
-        ("int8", None, 32, (64, 2, 3, 16, False)),
-        ("int4", 16, 64, (128, 4, 3, 4, True)),
+    for dtype, group_size, d, want in (  # d <= 64: the small heads' tiling
+        ("int8", 8, 128, (64, 2, 3, 8, False)),
+        ("float8_e4m3fn", 32, 128, (128, 4, 4, 16, False)),
+        ("int8", None, 128, (128, 4, 3, 16, False)),
+        ("int8", None, 32, (64, 2, 3, 8, False)),
+        ("int4", 16, 64, (64, 2, 3, 8, False)),
+        ("int4", 32, 128, (128, 4, 3, 4, True)),
         ("int4", 16, 128, (128, 4, 3, 4, False)),  # K read as half-words
     ):
         q = util.randn(rng, (1, NUM_Q_HEADS, d), "float32")

@@ -33,8 +33,8 @@ from quant_oracle import (
 
 from jaxattn.cache import PagedKVCache, gather_kv, write_kv
 from jaxattn.quant import (
-    _round_quotient,
     KVQuant,
+    _round_quotient,
     calibrate_kv_scales,
     dequantize,
     group_scales,

@@ -19,7 +19,7 @@ _INT4_ROW_PROGRAMS_PER_SM = 4  # INT4 with a scale per tensor or row, < one prog
 _FEW_ROWS = 8  # query rows of the formats `few_rows` names
 _FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
 _STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic takes
-_SHORT_STACKED_DIM = 64  # up to this head dim, < one program an SM keeps per-value scales
+_SHORT_DIM = 64  # quantized caches up to this head dim: one tiling (`heuristic`)
 _FOUR_ROW_GROUP = 16  # INT4 groups of 16, K read as half-words: 4 query rows on our pages
 
 
@@ -185,6 +185,19 @@ class PagedDecodeConfig:
           its float32 rotation tables take shared memory per stage: at most 64-token
           blocks, one stage (128 keys in 2 stages asked for 336 KiB with float32 queries
           on an H100).
+          Head dims up to 64 (`head_dim`; 0: not known), every quantized format and layout: at most
+          8 query rows; with >= one program per SM, 64-token blocks in 2 warps, 3 stages; fewer
+          programs, 128-token blocks in 4 warps, 3 stages, 4 rows with group scales. 16 rows ran
+          2.5-4.5x slower at D 64 (probes of 2026-11-27 09:20-09:35 UTC, bench/HISTORY.md; B64
+          ctx16384, this tiling against the former: INT8 per tensor 0.390 against 1.188 ms, FP8
+          0.389 against 1.419, INT8 groups of 32 0.431 against 1.729, one a row 0.405 against 1.740,
+          FP8 groups of 32 0.427 against 1.923, INT4 per tensor 0.260 against 0.854, groups of 8 /
+          16 / 32 / one a row 0.365 / 0.332 / 0.308 / 0.275 against 0.481 / 0.406 / 0.380 / 0.347,
+          INT8 groups of 16 0.444 against 0.627, 8-bit groups of 8 the same 0.48; B8 ctx8192 INT8 /
+          FP8 / INT4 per tensor 0.037 / 0.040 / 0.025 against 0.093 / 0.109 / 0.061, groups of 32
+          INT8 0.048 against 0.123; the OpenPPL op's decode step, B32 ctx8192 INT8 groups of 8,
+          layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks in 2
+          warps ran 0-12% faster per tensor and with one scale a row at D 64, 30% slower at D 32.
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -215,8 +228,14 @@ class PagedDecodeConfig:
             return tiling(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
         rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
+        if 0 < head_dim <= _SHORT_DIM:  # every format and layout alike
+            k_words = code == "int4" and v_words and not rope_on_read
+            if programs >= sm_count:
+                return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
+            rows = 4 if group_size else _FEW_ROWS
+            return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
-        if stack and (head_dim > _SHORT_STACKED_DIM or programs >= sm_count) and pages and v_words:
+        if stack and pages and v_words:
             return tiling(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
         if programs >= sm_count and words:
             if group_size == _SMALL_BLOCK_GROUP:
@@ -297,7 +316,8 @@ def stacked_groups(code: str | None, group_size: int, head_dim: int, query_group
     (`PagedDecodeConfig.stacked`, `paged_decode.stacked`), 4 rows: INT4 whose half row
     holds two groups (groups of 32 at D 128), for kv groups of at most 4 query heads
     (stacked rows: two groups x 4 = 8), with V read as words (D / 4 a power of two of at
-    least 16); the heuristic takes it at D 64 only with at least one program per SM.
+    least 16); the heuristic takes it above D 64 (at D 64, 64-token blocks of 8 rows per
+    value ran faster: B64 ctx16384 groups of 16 0.332 against 0.406 ms).
     Measured with kv groups of 4: kv groups of 1-3 query heads take it by the same count
     of stacked rows.
 
