@@ -8,7 +8,8 @@ Formats (`KVQuant.dtype`), all symmetric (no zero point):
   "int4"            uint8, two a byte   -7..7 integers       7
 
 Quantize: `y = x / scale` (per-tensor: `x * (1/scale)`, as TensorRT-LLM), then integers
-round half to even and saturate to `[-qmax, qmax]`; fp8 saturates to `[-448, 448]` and
+round half to even and saturate (with group scales the exact quotient's rounding, whatever
+XLA's division gives: `_exact_quotient`) to `[-qmax, qmax]`; fp8 saturates to `[-448, 448]` and
 the cast rounds to nearest even (e4m3fn has no inf: an unclipped overflow would be NaN).
 Dequantize: `q.astype(float32) * scale` in float32, then a cast to the requested dtype.
 Inputs must be finite (and, for per-group scales, below ~3.3e38 in magnitude: a scale
@@ -236,19 +237,27 @@ def _round_e4m3fn(y: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return jnp.where(jnp.abs(y) < 2.0**-6, subnormal, normal)
 
 
-def _round_quotient(x: Float[Array, "*s"], y: Float[Array, "*s"], s) -> Float[Array, "*s"]:
-    """`x / s` rounded half to even, exactly, from `y`, an approximation of it within an
-    ulp or two (s > 0, float32, broadcastable against x).
+def _exact_quotient(x: Float[Array, "*s"], y: Float[Array, "*s"], s, fp8: bool):
+    """`y`, an approximation of `x / s` within an ulp or two, moved to the side of the
+    rounding boundary next to it that `x / s` is on, and onto that boundary exactly at a
+    tie; so rounding the result rounds `x / s` itself (s > 0).
 
-    `jnp.round(y)` alone rounds a tie (x / s = k + 1/2) to the odd code when y is an ulp
-    off, which XLA's division is free to be: it rewrites `x / broadcast(s)` as
-    `x * (1 / s)`, and on GPU divides approximately. So the half-integer `b` next to y is
-    compared with x as `b * s`, a product that is exact for bf16 and float16 scales
-    (|2b| <= 2 qmax + 1 takes 9 bits), and the tie goes to the even neighbour of b.
+    XLA's division is free to be an ulp off: it rewrites `x / broadcast(s)` as
+    `x * (1 / s)`, and on GPU divides approximately; a tie (x / s = k + 1/2 for the
+    integers, the midpoint of two e4m3fn values for FP8) then rounded to the odd code. The
+    boundary `m` next to y (a half-integer; for FP8 y rounded to 4 mantissa bits, or to a
+    multiple of 2**-10 among the subnormals) is compared with x as `m * s`, exact for bf16
+    and float16 scales (m has at most 9 significant bits). With float32 scales the product
+    rounds, so a quotient within an ulp of m may still fall on either side.
     """
-    b = jnp.floor(y) + 0.5
-    t = b * s
-    return jnp.where(x > t, b + 0.5, jnp.where(x < t, b - 0.5, jnp.round(b)))
+    if fp8:
+        normal = jax.lax.reduce_precision(y, exponent_bits=8, mantissa_bits=4)
+        m = jnp.where(jnp.abs(y) < 2.0**-6, jnp.round(y * 1024.0) * (1.0 / 1024.0), normal)
+    else:
+        m = jnp.floor(y) + 0.5
+    t = m * s
+    up, down = jnp.nextafter(m, jnp.inf), jnp.nextafter(m, -jnp.inf)
+    return jnp.where(x > t, jnp.maximum(y, up), jnp.where(x < t, jnp.minimum(y, down), m))
 
 
 def quantize(
@@ -262,15 +271,15 @@ def quantize(
     x = x.astype(jnp.float32)
     quant.check(x.shape[-1])
     _check_scale(scale, quant, x.shape[-1])
+    fp8 = quant.dtype == "float8_e4m3fn"
     if quant.granularity == "tensor":
-        s = scale.astype(jnp.float32)
-        y = x * (1.0 / s)
+        y = x * (1.0 / scale.astype(jnp.float32))  # the product is the definition
     else:
         s = _per_channel(scale, x.shape[-1])
-        y = x / s
-    if quant.dtype == "float8_e4m3fn":
+        y = _exact_quotient(x, x / s, s, fp8)
+    if fp8:
         return _round_e4m3fn(jnp.clip(y, -quant.qmax, quant.qmax)).astype(jnp.float8_e4m3fn)
-    q = jnp.clip(_round_quotient(x, y, s), -quant.qmax, quant.qmax).astype(jnp.int8)
+    q = jnp.clip(jnp.round(y), -quant.qmax, quant.qmax).astype(jnp.int8)
     return pack_int4(q) if quant.dtype == "int4" else q
 
 

@@ -248,8 +248,13 @@ def test_decode_heuristic_small_heads(head_dim):
     with >= one program per SM (B64, 8 kv heads), 128-token blocks in 4 warps with fewer
     (B8), 4 rows there with group scales; INT4 reads K as half-words where V is read as
     words. D 128 keeps its own tilings, and float caches theirs."""
-    heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
-                                  head_dim=head_dim, query_group=4)  # fmt: skip
+    heuristic = functools.partial(
+        jaxattn.PagedDecodeConfig.heuristic,
+        sm_count=132,
+        head_dim=head_dim,
+        query_group=4,
+        v_words=head_dim == 64,
+    )  # D 32: no words (D / 4 < 16)
     formats = [(code, group, rows) for code in ("int8", "float8_e4m3fn", "int4")
                for group, rows in ((0, False), (0, True), (8, False), (16, False))]  # fmt: skip
     for code, group_size, row_scales in formats:
@@ -260,7 +265,7 @@ def test_decode_heuristic_small_heads(head_dim):
             assert (few.block_kv, few.num_warps, few.num_stages) == (128, 4, 3), kw
             assert many.query_rows == 8 and few.query_rows == (4 if group_size else 8), kw
             assert not many.stacked and not few.stacked, kw
-            assert many.k_words == few.k_words == (code == "int4"), kw
+            assert many.k_words == few.k_words == (code == "int4" and head_dim == 64), kw
     assert heuristic(64, 8, 16384, 16, code="int8", head_dim=128).query_rows == 16
     assert heuristic(64, 8, 16384, 16).block_kv == 128  # bf16: 128-token blocks, 4 splits
 

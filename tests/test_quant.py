@@ -34,7 +34,8 @@ from quant_oracle import (
 from jaxattn.cache import PagedKVCache, gather_kv, write_kv
 from jaxattn.quant import (
     KVQuant,
-    _round_quotient,
+    _exact_quotient,
+    _round_e4m3fn,
     calibrate_kv_scales,
     dequantize,
     group_scales,
@@ -169,7 +170,8 @@ def test_ties_round_to_even(dtype):
 def test_group_ties_round_to_even_under_jit(dtype, groups):
     """x / s = -6.5 exactly rounds to -6 under jit, one group a row too: there the scale
     is a broadcast, and XLA had rewritten `x / s` as `x * (1 / s)` = -6.5000005 -> -7
-    (found through a one-element miss of the OpenPPL op's oracle)."""
+    (found through a one-element miss of the OpenPPL op's oracle; on GPU the division
+    itself may be an ulp off)."""
     d = 64
     quant = KVQuant(dtype, "group", d // groups)
     x = np.zeros((1, 1, d), np.float32)
@@ -180,24 +182,58 @@ def test_group_ties_round_to_even_under_jit(dtype, groups):
     assert int(codes[0, 0, 1]) == -6
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("s", [0.40625, 1.1015625, 0.013671875])
+def test_fp8_group_ties_round_to_even_under_jit(s, groups):
+    """Every midpoint of the e4m3fn grid (times a bf16 scale) goes to its even neighbour
+    through a jitted `quantize` with group scales (one group a row too, where XLA
+    multiplies by the reciprocal: 59 midpoints of these scales had gone odd)."""
+    d = 64
+    grid = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mid = (grid[:-1] + grid[1:]) / 2
+    want = np.where(np.arange(len(mid)) % 2 == 0, grid[:-1], grid[1:])
+    mid, want = np.concatenate([mid, -mid]), np.concatenate([want, -want])
+    n = len(mid)
+    x = np.zeros(-(-n // d) * d)
+    x[:n] = mid * s
+    quant = KVQuant("float8_e4m3fn", "group", d // groups)
+    scale = jnp.full((len(x) // d, 1, groups), s, jnp.bfloat16)
+    quantized = jax.jit(functools.partial(quantize, quant=quant))
+    codes = quantized(jnp.asarray(x.reshape(-1, 1, d), jnp.float32), scale)
+    np.testing.assert_array_equal(np.asarray(codes, np.float64).reshape(-1)[:n], want)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["int", "fp8"])
 @pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float16])
-def test_round_quotient_is_exact_from_an_approximate_quotient(scale_dtype):
-    """The rounding `quantize` applies to `x / s` is exact even when the division that
-    gave `y` was an ulp or two off either way (as XLA's may be on GPU): ties to even,
-    everything else to nearest, against numpy's float64 round-half-even."""
-    rng = util.rng_for("round_quotient", str(scale_dtype))
-    s = np.asarray(jnp.asarray(rng.uniform(2.0**-20, 4.0, 4096), scale_dtype), np.float64)
-    k = rng.integers(-127, 127, 4096) + 0.5
-    # Half the values ties (x = (k + 1/2) s exactly), half fresh points near them.
-    x = np.where(np.arange(4096) % 2 == 0, k * s, (k + rng.uniform(-1, 1, 4096)) * s)
-    x32, s32 = x.astype(np.float32), s.astype(np.float32)
-    want = np.round(x32.astype(np.float64) / s)
+def test_quotient_rounds_exactly_from_an_approximate_one(scale_dtype, fp8):
+    """The rounding `quantize` applies to `x / s` (group scales) is exact even when the
+    division that gave `y` was an ulp or two off either way (as XLA's may be on GPU): ties
+    to even, everything else to nearest, against float64 rounding of the exact quotient
+    (round half to even; `round_e4m3fn` for FP8)."""
+    n = 4096
+    rng = util.rng_for("exact_quotient", str(scale_dtype), fp8)
+    s = np.asarray(jnp.asarray(rng.uniform(2.0**-20, 4.0, n), scale_dtype), np.float64)
+    if fp8:  # the midpoints of the e4m3fn grid, subnormals among them
+        grid = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        pick = rng.integers(0, len(grid) - 1, n)
+        ties = (grid[pick] + grid[pick + 1]) / 2 * rng.choice([-1.0, 1.0], n)
+        spread = np.abs(grid[pick + 1] - grid[pick])
+    else:
+        ties, spread = rng.integers(-127, 127, n) + 0.5, np.ones(n)
+    # Half the values ties (x = tie * s exactly), half fresh points near them.
+    near = ties + rng.uniform(-1, 1, n) * spread
+    x32 = (np.where(np.arange(n) % 2 == 0, ties, near) * s).astype(np.float32)
+    q = x32.astype(np.float64) / s
+    want = round_e4m3fn(np.clip(q, -448, 448)) if fp8 else np.round(q)
+    round_y = _round_e4m3fn if fp8 else jnp.round
+    fn = jax.jit(lambda x, y, s: round_y(_exact_quotient(x, y, s, fp8)))
+    s32 = s.astype(np.float32)
     for ulps in (-2, -1, 0, 1, 2):
         y = x32 / s32
         for _ in range(abs(ulps)):
             y = np.nextafter(y, np.float32(np.sign(ulps) * np.inf))
-        got = jax.jit(_round_quotient)(jnp.asarray(x32), jnp.asarray(y), jnp.asarray(s32))
-        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"y {ulps} ulps off")
+        got = np.asarray(fn(jnp.asarray(x32), jnp.asarray(y), jnp.asarray(s32)))
+        np.testing.assert_array_equal(got, want, err_msg=f"y {ulps} ulps off")
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=qid)

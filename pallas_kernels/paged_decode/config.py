@@ -175,7 +175,7 @@ class PagedDecodeConfig:
           ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
           Query rows padded to 8 rather than 16 for the formats `few_rows` names, over our
-          pages (`pages`; OpenPPL's layouts keep 16), and to 4 for INT4 groups of 16 with
+          pages (`pages`; OpenPPL's layouts keep 16 above D 64), and to 4 for INT4 groups of 16 with
           K read as half-words (above). INT4 with two groups a half row
           (groups of 32 at D 128) applies its scales through stacked rows, 4 query rows
           (`stacked_groups`; `head_dim` and `query_group`, the query heads a kv head
@@ -197,7 +197,8 @@ class PagedDecodeConfig:
           FP8 / INT4 per tensor 0.037 / 0.040 / 0.025 against 0.093 / 0.109 / 0.061, groups of 32
           INT8 0.048 against 0.123; the OpenPPL op's decode step, B32 ctx8192 INT8 groups of 8,
           layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks in 2
-          warps ran 0-12% faster per tensor and with one scale a row at D 64, 30% slower at D 32.
+          warps ran 0-8% faster per tensor and 12% with INT4's one scale a row at D 64, 14%
+          slower with INT8's, 23-42% slower at D 32.
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -304,7 +305,7 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     Our pools only: over OpenPPL's caches (`jaxattn.ppl`: token rows, float16 scales) the
     PPL op's decode step (B64 ctx8192, INT8 groups of 8) ran 7-12% slower with 8 rows
     (layouts 0 / 3: 0.620 / 0.563 against 0.670 / 0.634 ms; our op on our pools 0.510
-    against 0.499; probe of 15:43 UTC), so they keep 16 (`PagedDecodeConfig.heuristic`'s
+    against 0.499; probe of 15:43 UTC), so they keep 16 above D 64 (`PagedDecodeConfig.heuristic`'s
     `pages`)."""
     if code == "int4":
         return bool(group_size) or row_scales
