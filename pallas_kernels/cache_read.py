@@ -190,9 +190,9 @@ def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
     Returns None (plain pools; per tensor: `factored_scales` reads the scalar); with scales
     factored out of the tiles (`fmt.factored`) the `[block]` row scales as stored, or per
     part its own (`fmt.part_scales`); with finer groups, per part, the row's groups
-    `[block, n]` (n = part width / group size) for `read_kv` to repeat over their
-    channels, or for parts of a width that is no power of two (head dims like 80) each
-    element's scale `[block, Pd]`.
+    `[block, Pd / group size]` (those past the part's width masked, as 1) for `read_kv`
+    to repeat over their channels, or, for groups that do not divide Pd (the part's
+    width padded to a power of two), each element's scale `[block, Pd]`.
 
     Args:
       scale_ref: None (plain pools), float32 `[1]` ("tensor") or the pool's scale pages

@@ -458,14 +458,15 @@ def test_quantized_decode_vs_oracle(quant, dtype, impl):
     [(jaxattn.KVQuant("int4", "group", 40), 80), (jaxattn.KVQuant("int8", "group", 8), 80),
      (jaxattn.KVQuant("int4", "group", 8), 80), (jaxattn.KVQuant("int4", "group", 16), 96),
      (jaxattn.KVQuant("float8_e4m3fn", "group", 32), 96),
-     (jaxattn.KVQuant("int8", "group", 24), 96)],
+     (jaxattn.KVQuant("int8", "group", 24), 96), (jaxattn.KVQuant("int4", "group", 4), 16)],
     ids=str,
 )  # fmt: skip
 def test_quantized_decode_odd_head_dim(quant, head_dim):
     """Head dims 80 and 96, no power of two: INT4 parts of 40 channels, padded to 64 for the
     dot, each with its own scale (factored); groups of 8, 16, 32 whose scales load padded
     to the dot's width (INT8 at D 80: 10 groups of a 128-wide tile, 16 loaded; INT4 halves
-    of 40: 5 of 8); groups of 24 (no divisor of the padded width), a scale per element."""
+    of 40: 5 of 8; INT4 halves of 8 at D 16, padded to 16: 2 of 4); groups of 24 (no
+    divisor of the padded width), a scale per element."""
     _quantized_decode_vs_oracle(quant, "float32", "pallas", head_dim)
 
 

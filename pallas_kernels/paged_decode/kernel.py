@@ -206,8 +206,9 @@ def _paged_decode_kernel(
     # Quantized pools: table entries and scales loaded a step ahead (`fetch`). H100, B64
     # ctx16384 (probes of 2026-11-26, bench/HISTORY.md): INT8 per tensor 0.88 -> 0.81 ms
     # (with 3 stages), groups of 8 1.56 -> 1.15; float pools ran as fast or slower
-    # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms). Not scales per element (head dims like
-    # 80): a `[block, Pd]` tile a part, for K and V, is too much to carry.
+    # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms). Not scales per element (groups that do
+    # not divide the padded part): a `[block, Pd]` tile a part, for K and V, is too much
+    # to carry.
     ahead = fmt.dtype is not None and not scales_per_element(fmt, head_dim)
 
     def tokens(block):  # block's token positions [block_kv], which exist, where stored
