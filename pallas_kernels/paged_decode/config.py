@@ -188,7 +188,7 @@ class PagedDecodeConfig:
           Head dims up to 64 (`head_dim`; 0: not known), every quantized format and layout: at most
           8 query rows; with >= one program per SM, 64-token blocks in 2 warps, 3 stages; fewer
           programs, 128-token blocks in 4 warps, 3 stages, 4 rows with group scales. 16 rows ran
-          2.5-4.5x slower at D 64 (probes of 2026-11-27 09:20-09:35 UTC, bench/HISTORY.md; B64
+          2.5-4.5x slower at D 64 (probes of 2026-11-27 09:20-09:40 UTC, bench/HISTORY.md; B64
           ctx16384, this tiling against the former: INT8 per tensor 0.390 against 1.188 ms, FP8
           0.389 against 1.419, INT8 groups of 32 0.431 against 1.729, one a row 0.405 against 1.740,
           FP8 groups of 32 0.427 against 1.923, INT4 per tensor 0.260 against 0.854, groups of 8 /
