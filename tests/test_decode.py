@@ -270,6 +270,25 @@ def test_decode_heuristic_small_heads(head_dim):
     assert heuristic(64, 8, 16384, 16).block_kv == 128  # bf16: 128-token blocks, 4 splits
 
 
+def test_decode_heuristic_heads_of_no_power_of_two():
+    """Head dims 80 and 96 over our pages: 8 query rows for every quantized format (V read
+    as codes there), INT4 groups with >= one program per SM in 64-token blocks of 2 warps;
+    OpenPPL's layouts keep their rows."""
+    for head_dim in (80, 96):
+        heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
+                                      head_dim=head_dim, query_group=4, v_words=False)  # fmt: skip
+        for code in ("int8", "float8_e4m3fn", "int4"):
+            for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False)):
+                kw = dict(code=code, group_size=group_size, row_scales=row_scales)
+                many, few = heuristic(64, 8, 16384, 16, **kw), heuristic(8, 8, 8192, 16, **kw)
+                assert many.query_rows == few.query_rows == 8, kw
+                if code == "int4" and group_size:
+                    assert (many.block_kv, many.num_warps, few.block_kv) == (64, 2, 128), kw
+                assert not (many.k_words or few.k_words or many.stacked or few.stacked), kw
+        ppl = heuristic(64, 8, 16384, 16, code="int8", pages=False)
+        assert ppl.query_rows == 16
+
+
 def test_decode_heuristic_int4_keys_as_words():
     """INT4 reads K as half-words (where V is read as words), groups of 8 only with >= one
     program per SM (B64 8 kv heads, not B8); not with stacked rows (groups of 32 at D

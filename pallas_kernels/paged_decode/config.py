@@ -199,6 +199,13 @@ class PagedDecodeConfig:
           layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks in 2
           warps ran 0-8% faster per tensor and 12% with INT4's one scale a row at D 64, 14%
           slower with INT8's, 23-42% slower at D 32.
+          Head dims that are no power of two (80, 96), over our pages: 8 query rows, and
+          INT4 groups with >= one program per SM in 64-token blocks of 2 warps (probe of
+          2026-11-27 10:20 UTC, against the former 16 rows in 128x4x3; B64 ctx16384 D96 / D80:
+          INT8 per tensor 0.738 / 0.738 against 0.787 / 0.788 ms, INT4 0.500 / 0.496 against
+          0.544 / 0.540, INT4 groups of 16 / 8 0.751 / 0.877 against 0.896 / 1.005, INT8 one
+          a row at D96 (64x2x3) 0.918 against 1.057, FP8 groups of 32 0.922 against 0.974;
+          B8 ctx8192 as fast or up to 10% faster).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -235,6 +242,10 @@ class PagedDecodeConfig:
                 return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
+        if pages and head_dim & (head_dim - 1):  # no power of two (80, 96): V read as codes
+            rows = _FEW_ROWS
+            if code == "int4" and group_size and programs >= sm_count:
+                return tiling(64, splits, 2, 3, query_rows=rows)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and pages and v_words:
             return tiling(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
