@@ -8,9 +8,10 @@ Formats (`KVQuant.dtype`), all symmetric (no zero point):
   "int4"            uint8, two a byte   -7..7 integers       7
 
 Quantize: `y = x / scale` (per-tensor: `x * (1/scale)`, as TensorRT-LLM), then integers
-round half to even and saturate (with group scales the exact quotient's rounding, whatever
-XLA's division gives: `_exact_quotient`) to `[-qmax, qmax]`; fp8 saturates to `[-448, 448]` and
+round half to even and saturate to `[-qmax, qmax]`; fp8 saturates to `[-448, 448]` and
 the cast rounds to nearest even (e4m3fn has no inf: an unclipped overflow would be NaN).
+With group scales the rounding is the exact quotient's, whatever XLA's division gives
+(`_exact_quotient`).
 Dequantize: `q.astype(float32) * scale` in float32, then a cast to the requested dtype.
 Inputs must be finite (and, for per-group scales, below ~3.3e38 in magnitude: a scale
 rounded up to bf16 times qmax must stay a finite float32).

@@ -175,8 +175,8 @@ class PagedDecodeConfig:
           ctx32768 0.117 / 0.141 against 0.128 / 0.163).
           INT4 groups and INT8 ran as fast or slower with more splits.
           Query rows padded to 8 rather than 16 for the formats `few_rows` names, over our
-          pages (`pages`; OpenPPL's layouts keep 16 above D 64), and to 4 for INT4 groups of 16 with
-          K read as half-words (above). INT4 with two groups a half row
+          pages (`pages`; OpenPPL's layouts keep 16 above D 64), and to 4 for INT4 groups of
+          16 with K read as half-words (above). INT4 with two groups a half row
           (groups of 32 at D 128) applies its scales through stacked rows, 4 query rows
           (`stacked_groups`; `head_dim` and `query_group`, the query heads a kv head
           serves, decide it; 0: not known, not stacked).
@@ -185,27 +185,28 @@ class PagedDecodeConfig:
           its float32 rotation tables take shared memory per stage: at most 64-token
           blocks, one stage (128 keys in 2 stages asked for 336 KiB with float32 queries
           on an H100).
-          Head dims up to 64 (`head_dim`; 0: not known), every quantized format and layout: at most
-          8 query rows; with >= one program per SM, 64-token blocks in 2 warps, 3 stages; fewer
-          programs, 128-token blocks in 4 warps, 3 stages, 4 rows with group scales. 16 rows ran
-          2.5-4.5x slower at D 64 (probes of 2026-11-27 09:20-09:40 UTC, bench/HISTORY.md; B64
-          ctx16384, this tiling against the former: INT8 per tensor 0.390 against 1.188 ms, FP8
-          0.389 against 1.419, INT8 groups of 32 0.431 against 1.729, one a row 0.405 against 1.740,
-          FP8 groups of 32 0.427 against 1.923, INT4 per tensor 0.260 against 0.854, groups of 8 /
-          16 / 32 / one a row 0.365 / 0.332 / 0.308 / 0.275 against 0.481 / 0.406 / 0.380 / 0.347,
-          INT8 groups of 16 0.444 against 0.627, 8-bit groups of 8 the same 0.48; B8 ctx8192 INT8 /
-          FP8 / INT4 per tensor 0.037 / 0.040 / 0.025 against 0.093 / 0.109 / 0.061, groups of 32
-          INT8 0.048 against 0.123; the OpenPPL op's decode step, B32 ctx8192 INT8 groups of 8,
-          layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks in 2
-          warps ran 0-8% faster per tensor and 12% with INT4's one scale a row at D 64, 14%
-          slower with INT8's, 23-42% slower at D 32.
+          Head dims up to 64 (`head_dim`; 0: not known), every quantized format and layout:
+          at most 8 query rows; with >= one program per SM, 64-token blocks in 2 warps, 3
+          stages; fewer programs, 128-token blocks in 4 warps, 3 stages, 4 rows with group
+          scales. 16 rows ran 2.5-4.5x slower at D 64 (probes of 2026-11-27 09:20-09:40 UTC,
+          bench/HISTORY.md; B64 ctx16384, this tiling against the former: INT8 per tensor
+          0.390 against 1.188 ms, FP8 0.389 against 1.419, INT8 groups of 32 0.431 against
+          1.729, one a row 0.405 against 1.740, FP8 groups of 32 0.427 against 1.923, INT4
+          per tensor 0.260 against 0.854, groups of 8 / 16 / 32 / one a row 0.365 / 0.332 /
+          0.308 / 0.275 against 0.481 / 0.406 / 0.380 / 0.347, INT8 groups of 16 0.444
+          against 0.627, 8-bit groups of 8 the same 0.48; B8 ctx8192 INT8 / FP8 / INT4 per
+          tensor 0.037 / 0.040 / 0.025 against 0.093 / 0.109 / 0.061, groups of 32 INT8
+          0.048 against 0.123; the OpenPPL op's decode step, B32 ctx8192 INT8 groups of 8,
+          layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks
+          in 2 warps ran 0-8% faster per tensor and 12% with INT4's one scale a row at D 64,
+          14% slower with INT8's, 23-42% slower at D 32.
           Head dims that are no power of two (80, 96), over our pages: 8 query rows, and
           INT4 groups with >= one program per SM in 64-token blocks of 2 warps (probe of
-          2026-11-27 10:20 UTC, against the former 16 rows in 128x4x3; B64 ctx16384 D96 / D80:
-          INT8 per tensor 0.738 / 0.738 against 0.787 / 0.788 ms, INT4 0.500 / 0.496 against
-          0.544 / 0.540, INT4 groups of 16 / 8 0.751 / 0.877 against 0.896 / 1.005, INT8 one
-          a row at D96 (64x2x3) 0.918 against 1.057, FP8 groups of 32 0.922 against 0.974;
-          B8 ctx8192 as fast or up to 10% faster).
+          2026-11-27 10:20 UTC, against the former 16 rows in 128x4x3; B64 ctx16384 D96 /
+          D80: INT8 per tensor 0.738 / 0.738 against 0.787 / 0.788 ms, INT4 0.500 / 0.496
+          against 0.544 / 0.540, INT4 groups of 16 / 8 0.751 / 0.877 against 0.896 / 1.005,
+          INT8 one a row at D96 (64x2x3) 0.918 against 1.057, FP8 groups of 32 0.922 against
+          0.974; B8 ctx8192 as fast or up to 10% faster).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -316,8 +317,8 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     Our pools only: over OpenPPL's caches (`jaxattn.ppl`: token rows, float16 scales) the
     PPL op's decode step (B64 ctx8192, INT8 groups of 8) ran 7-12% slower with 8 rows
     (layouts 0 / 3: 0.620 / 0.563 against 0.670 / 0.634 ms; our op on our pools 0.510
-    against 0.499; probe of 15:43 UTC), so they keep 16 above D 64 (`PagedDecodeConfig.heuristic`'s
-    `pages`)."""
+    against 0.499; probe of 15:43 UTC), so they keep 16 above D 64
+    (`PagedDecodeConfig.heuristic`'s `pages`)."""
     if code == "int4":
         return bool(group_size) or row_scales
     return code is not None and group_size in _FEW_ROWS_8BIT_GROUPS
