@@ -284,9 +284,12 @@ def test_decode_heuristic_heads_of_no_power_of_two():
                 assert many.query_rows == few.query_rows == 8, kw
                 if code == "int4" and group_size:
                     assert (many.block_kv, many.num_warps, few.block_kv) == (64, 2, 128), kw
+                assert many.num_stages == few.num_stages == 3, kw
                 assert not (many.k_words or few.k_words or many.stacked or few.stacked), kw
         ppl = heuristic(64, 8, 16384, 16, code="int8", pages=False)
         assert ppl.query_rows == 16
+        ppl = heuristic(64, 8, 16384, 16, code="int4", group_size=16, pages=False)
+        assert (ppl.block_kv, ppl.num_warps) == (128, 4)
 
 
 def test_decode_heuristic_int4_keys_as_words():

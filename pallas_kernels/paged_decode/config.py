@@ -200,9 +200,10 @@ class PagedDecodeConfig:
           layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks
           in 2 warps ran 0-8% faster per tensor and 12% with INT4's one scale a row at D 64,
           14% slower with INT8's, 23-42% slower at D 32.
-          Head dims that are no power of two (80, 96), over our pages: 8 query rows, and
-          INT4 groups with >= one program per SM in 64-token blocks of 2 warps (probe of
-          2026-11-27 10:20 UTC, against the former 16 rows in 128x4x3; B64 ctx16384 D96 /
+          Head dims above 64 that are no power of two (measured at 80 and 96; V read as
+          codes there), over our pages: 8 query rows, and INT4 groups with >= one program per
+          SM in 64-token blocks of 2 warps (probe of 2026-11-27 10:20 UTC, against the former
+          128x4x3, 16 rows but for INT4 groups, which had 8; B64 ctx16384 D96 /
           D80: INT8 per tensor 0.738 / 0.738 against 0.787 / 0.788 ms, INT4 0.500 / 0.496
           against 0.544 / 0.540, INT4 groups of 16 / 8 0.751 / 0.877 against 0.896 / 1.005,
           INT8 one a row at D96 (64x2x3) 0.918 against 1.057, FP8 groups of 32 0.922 against
@@ -243,7 +244,7 @@ class PagedDecodeConfig:
                 return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
-        if pages and head_dim & (head_dim - 1):  # no power of two (80, 96): V read as codes
+        if pages and head_dim & (head_dim - 1):  # no power of two (80, 96, ...): V read as codes
             rows = _FEW_ROWS
             if code == "int4" and group_size and programs >= sm_count:
                 return tiling(64, splits, 2, 3, query_rows=rows)
@@ -292,10 +293,11 @@ def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
     """Whether decode over this cache format pads its query rows to `_FEW_ROWS` (8) rather
     than 16 (`PagedDecodeConfig.query_rows`): INT4 with group scales (any group, or one a
     row), and 8-bit codes in groups of 8, 16 or 64. (The heuristic takes 4 for INT4 groups
-    of 16 with K read as half-words, and for stacked rows.) A thread's accumulators, logits and
-    softmax vectors scale with the rows, and these formats hold the most registers a
-    thread besides (INT4 groups: 168 in the Nsight Compute profile of 12:00 UTC, three
-    programs an SM).
+    of 16 with K read as half-words, and for stacked rows; and 8 for every format at head
+    dims up to 64, and, over our pages, at those that are no power of two.) A thread's
+    accumulators, logits and softmax vectors scale with the rows, and these formats hold
+    the most registers a thread besides (INT4 groups: 168 in the Nsight Compute profile of
+    12:00 UTC, three programs an SM).
 
     H100, GQA 32/8 (4 real rows), D 128, heuristic tilings, 16 rows against 8 (probes of
     2026-11-26 14:55-15:04 UTC, bench/HISTORY.md):
