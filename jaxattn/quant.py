@@ -223,9 +223,10 @@ def _check_scale(scale, quant: KVQuant, head_dim: int) -> None:
 
 
 # ---------------------------------------------------------------- quantize / dequantize
-def _round_e4m3fn(y: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+def _round_e4m3fn(y: Float[Array, "*shape"], mantissa_bits: int = 3) -> Float[Array, "*shape"]:
     """float32 `y` (|y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even,
-    still float32; the cast to fp8 is then exact.
+    still float32; the cast to fp8 is then exact. `mantissa_bits=4`: to the grid of those
+    values and their midpoints (`_exact_quotient`'s boundaries).
 
     The convert alone would round the same way, but XLA on GPU drops a float32 -> fp8 ->
     float32 convert pair inside one jitted program (excess precision, on by default), so
@@ -233,8 +234,9 @@ def _round_e4m3fn(y: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     (e5m3's rounding is e4m3fn's on its normal range, 2**-6..448); below 2**-6 the values
     are multiples of 2**-9 (e4m3fn's subnormals).
     """
-    normal = jax.lax.reduce_precision(y, exponent_bits=5, mantissa_bits=3)
-    subnormal = jnp.round(y * 512.0) * (1.0 / 512.0)
+    normal = jax.lax.reduce_precision(y, exponent_bits=5, mantissa_bits=mantissa_bits)
+    steps = 2.0 ** (6 + mantissa_bits)  # subnormal steps per unit: 512 for e4m3fn's own
+    subnormal = jnp.round(y * steps) * (1.0 / steps)
     return jnp.where(jnp.abs(y) < 2.0**-6, subnormal, normal)
 
 
@@ -251,11 +253,7 @@ def _exact_quotient(x: Float[Array, "*s"], y: Float[Array, "*s"], s, fp8: bool):
     and float16 scales (m has at most 9 significant bits). With float32 scales the product
     rounds, so a quotient within an ulp of m may still fall on either side.
     """
-    if fp8:
-        normal = jax.lax.reduce_precision(y, exponent_bits=8, mantissa_bits=4)
-        m = jnp.where(jnp.abs(y) < 2.0**-6, jnp.round(y * 1024.0) * (1.0 / 1024.0), normal)
-    else:
-        m = jnp.floor(y) + 0.5
+    m = _round_e4m3fn(y, mantissa_bits=4) if fp8 else jnp.floor(y) + 0.5
     t = m * s
     up, down = jnp.nextafter(m, jnp.inf), jnp.nextafter(m, -jnp.inf)
     return jnp.where(x > t, jnp.maximum(y, up), jnp.where(x < t, jnp.minimum(y, down), m))

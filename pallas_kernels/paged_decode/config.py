@@ -237,17 +237,16 @@ class PagedDecodeConfig:
         if code is None:
             return tiling(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
-        rows = _FEW_ROWS if pages and few_rows(code, group_size, row_scales) else 16
+        k_words = code == "int4" and v_words and not rope_on_read
+        odd_dim = head_dim & (head_dim - 1)  # no power of two (80, 96, ...): V read as codes
+        rows = _FEW_ROWS if pages and (few_rows(code, group_size, row_scales) or odd_dim) else 16
         if 0 < head_dim <= _SHORT_DIM:  # every format and layout alike
-            k_words = code == "int4" and v_words and not rope_on_read
             if programs >= sm_count:
                 return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
-        if pages and head_dim & (head_dim - 1):  # no power of two (80, 96, ...): V read as codes
-            rows = _FEW_ROWS
-            if code == "int4" and group_size and programs >= sm_count:
-                return tiling(64, splits, 2, 3, query_rows=rows)
+        if pages and odd_dim and code == "int4" and group_size and programs >= sm_count:
+            return tiling(64, splits, 2, 3, query_rows=rows)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and pages and v_words:
             return tiling(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
@@ -258,7 +257,6 @@ class PagedDecodeConfig:
                 return tiling(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
         if code == "int8" and row_scales and not words:
             return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
-        k_words = code == "int4" and v_words and not rope_on_read  # (stacked: returned above)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and programs >= sm_count
         stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3
