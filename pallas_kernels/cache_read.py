@@ -290,10 +290,12 @@ def _group_scales(scale_ref, index, group_size: int, part: int, part_dim: int, t
         group = (part * part_dim + dims[None, :]) // group_size
         ok = t_ok[:, None] & (dims < part_dim)[None, :]
         return plgpu.load(scale_ref.at[(*index, group)], mask=ok, other=1)
-    n = part_dim // group_size
-    cols = jnp.arange(dot_width(part_dim) // group_size)
-    ok = t_ok[:, None] & (cols < n)[None, :]
-    return plgpu.load(scale_ref.at[(*index, (part * n + cols)[None, :])], mask=ok, other=1)
+    n, width = part_dim // group_size, dot_width(part_dim) // group_size
+    cols = part * n + jnp.arange(width)
+    ok = jnp.broadcast_to(t_ok[:, None], (t_ok.shape[0], width))
+    if width > n:  # a padded part (no power of two): its groups past the part masked
+        ok = ok & (jnp.arange(width) < n)[None, :]
+    return plgpu.load(scale_ref.at[(*index, cols[None, :])], mask=ok, other=1)
 
 
 def _per_element(group_size: int, part_dim: int) -> bool:
