@@ -73,22 +73,24 @@ DEFAULT_SWEEP = (
 )  # fmt: skip
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+|h(?:[*/]\d+)?))?(?:r(\d+))?(c)?(s)?(k)?")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:x(\d+|h(?:[*/]\d+)?))?(?:r(\d+))?(c)?(s)?(k)?(p)?")
 
 
 def parse_config(spec: str, heuristic):
-    """A decode config from BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s][k] (`config_label`).
+    """A decode config from BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s][k][p] (`config_label`).
     SPLITS: a count, or "h" (`heuristic.num_splits`), "h*N", "h/N"; left out, the
     heuristic's. rROWS pads the query rows to ROWS (`PagedDecodeConfig.query_rows`; the
     heuristic's otherwise); "c" reads V as codes rather than words (`v_words`); "s" applies
     group scales through stacked rows (`stacked`); "k" reads INT4 K as half-words
-    (`k_words`). Without "s" or "k", those are off, whatever the heuristic's."""
+    (`k_words`); "p" reads rows of a head dim that is no power of two as one tile padded
+    to a power of two rather than in segments (`segments` off). Without "s" or "k", those
+    are off, whatever the heuristic's."""
     from pallas_kernels.paged_decode.config import PagedDecodeConfig
 
     match = _SPEC.fullmatch(spec)
     if not match:
-        raise ValueError(f"{spec!r} is not BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s][k]")
-    block_kv, warps, stages, splits, rows, codes, stacked, k_words = match.groups()
+        raise ValueError(f"{spec!r} is not BLOCK_KVxWARPSxSTAGES[xSPLITS][rROWS][c][s][k][p]")
+    block_kv, warps, stages, splits, rows, codes, stacked, k_words, padded = match.groups()
     h = heuristic.num_splits
     if splits is None or splits == "h":
         splits = h
@@ -98,7 +100,7 @@ def parse_config(spec: str, heuristic):
     return PagedDecodeConfig(
         int(block_kv), int(splits), int(warps), int(stages), v_words=not codes,
         query_rows=int(rows) if rows else heuristic.query_rows, stacked=bool(stacked),
-        k_words=bool(k_words),
+        k_words=bool(k_words), segments=not padded,
     )  # fmt: skip
 
 
@@ -112,11 +114,11 @@ def config_label(c) -> str:
     """A decode tiling as BLOCKxWARPSxSTAGESxSPLITS, then rROWS where the query rows are
     padded to fewer than 16 (`PagedDecodeConfig.query_rows`), then "s" where group scales
     go through stacked rows (`PagedDecodeConfig.stacked`), then "k" where INT4 K is read
-    as half-words (`PagedDecodeConfig.k_words`)."""
+    as half-words (`PagedDecodeConfig.k_words`), then "p" where segments are off
+    (`PagedDecodeConfig.segments`)."""
     rows = "" if c.query_rows == 16 else f"r{c.query_rows}"
-    stacked = "s" if c.stacked else ""
-    k_words = "k" if c.k_words else ""
-    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}{stacked}{k_words}"
+    flags = "s" * c.stacked + "k" * c.k_words + "p" * (not c.segments)
+    return f"{c.block_kv}x{c.num_warps}x{c.num_stages}x{c.num_splits}{rows}{flags}"
 
 
 def _inputs(row: DecodeRow, heads, seed: int, copy: int = 0):

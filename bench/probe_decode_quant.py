@@ -18,7 +18,8 @@ pad the query rows to ROWS
 (`PagedDecodeConfig.query_rows`; the heuristic's otherwise), then by "c" to read V as
 codes rather than words (`PagedDecodeConfig.v_words`), then by "s" to apply group scales
 through stacked rows (`PagedDecodeConfig.stacked`; off otherwise), then by "k" to read INT4
-K as half-words (`PagedDecodeConfig.k_words`; off otherwise).
+K as half-words (`PagedDecodeConfig.k_words`; off otherwise), then by "p" to read rows of a
+head dim that is no power of two as one padded tile (`PagedDecodeConfig.segments` off).
 """
 
 from __future__ import annotations

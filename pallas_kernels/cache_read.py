@@ -17,6 +17,11 @@ j, so a tile comes out as two halves ("parts"): channels `[0, D/2)` and `[D/2, D
 kernel keeps the query and the output in the same parts (dots per part, summed), so the
 nibbles never need interleaving.
 
+Head dims that are no power of two may be read in segments (`reads_segments`): each part's
+channels as runs of power-of-two widths (96 = 64 + 32), a dot each, rather than one tile
+padded to the next power of two (128), whose padding the kernel would convert and
+multiply for nothing. A "tile" below is one dot's columns: a part's segment.
+
 V tiles may instead be read as words of four codes (`read_words`; 8-bit codes: 32-bit
 words of four channels, INT4: 16-bit half-words of two bytes): the PV dot then runs in four
 parts of strided channels (`word_columns`), whose outputs the kernel stores to those
@@ -40,6 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.codes import codes_to_bf16, int4_nibbles, words_to_values
 from pallas_kernels.common import dot_width
 
+_SEGMENTS_8BIT_GROUP_BELOW = 32  # 8-bit groups read in segments: narrower than this
 _ROW_AXES = ("page", "offset", "token")
 _AXES = (*_ROW_AXES, "head", "dim", "kv", "layer")
 
@@ -173,6 +179,53 @@ def ring_position(t, ring: tuple[int, int] | None):
     return jnp.where(t < kept, t, kept + (jnp.maximum(t - kept, 0) % size))
 
 
+def column_segments(width: int) -> tuple[tuple[int, int], ...]:
+    """(first column, width) of the runs a part of `width` channels is read in with
+    segments: power-of-two widths, widest first, the last padded to 16 when narrower
+    (80 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 8); one run when that pads no less than one
+    tile of the part (`dot_width`: 24 -> 16 + 8 would pad to 32 all the same)."""
+    runs, start = [], 0
+    while start < width:
+        run = min(1 << ((width - start).bit_length() - 1), width - start)
+        if width - start < 16:
+            run = width - start  # padded to 16 for its dot
+        runs.append((start, run))
+        start += run
+    if sum(dot_width(w) for _, w in runs) >= dot_width(width):
+        return ((0, width),)
+    return tuple(runs)
+
+
+def dot_columns(fmt: CacheFormat, head_dim: int, segmented: bool = False) -> tuple:
+    """(first channel, width) of each tile a K or V row is read in, in the order `read_kv`
+    gives them: one per part (INT4: the low nibbles' channels `[0, D/2)`, then the high
+    ones'), or with `segmented` one per segment of a part (`column_segments`), segments
+    outer, parts inner. A tile's stored columns start at its first channel's place within
+    its part (INT4: the byte holding it)."""
+    part_dim = head_dim // fmt.parts
+    runs = column_segments(part_dim) if segmented else ((0, part_dim),)
+    return tuple((p * part_dim + start, width) for start, width in runs for p in range(fmt.parts))
+
+
+def reads_segments(fmt: CacheFormat, head_dim: int) -> bool:
+    """Whether this format's rows are read in segments (`column_segments`) where the
+    config asks for them: quantized pools (float pools are read at the memory's pace
+    either way) whose part width is no power of two, with scales that are factored or
+    whose groups tile every segment (else the scales come per element, as without
+    segments), but 8-bit codes in groups of 32 channels or more, which ran slower so
+    (H100, B64 ctx16384 D96, groups of 32: INT8 1.14 against 1.07 ms, FP8 1.09 against
+    0.93; probes of 2026-11-27 11:25-11:48 UTC, bench/HISTORY.md)."""
+    part_dim = head_dim // fmt.parts
+    runs = column_segments(part_dim)
+    if fmt.dtype is None or len(runs) == 1:
+        return False
+    if fmt.factored(head_dim):
+        return True
+    if fmt.dtype != "int4" and fmt.group_size >= _SEGMENTS_8BIT_GROUP_BELOW:
+        return False
+    return not any(_per_element(fmt.group_size, width) for _, width in runs)
+
+
 def _decode(raw, fmt: CacheFormat, dtype, asm: bool, biased: bool = False) -> list:
     """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part
     (`biased`: INT4 values plus INT4_BIAS)."""
@@ -181,7 +234,8 @@ def _decode(raw, fmt: CacheFormat, dtype, asm: bool, biased: bool = False) -> li
     return int4_nibbles(raw, dtype, biased) if fmt.dtype == "int4" else [raw.astype(dtype)]
 
 
-def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
+def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int,
+                segmented: bool = False):  # fmt: skip
     """The stored scales a tile of `block` tokens needs, loaded apart from the tile (a
     kernel issues them a step ahead of their use: loads that feed no dot are not
     pipelined by Triton, and a scale load waited on in every step held the per-row and
@@ -189,28 +243,29 @@ def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int):
 
     Returns None (plain pools; per tensor: `factored_scales` reads the scalar); with scales
     factored out of the tiles (`fmt.factored`) the `[block]` row scales as stored, or per
-    part its own (`fmt.part_scales`); with finer groups, per part, the row's groups
-    `[block, Pd / group size]` (those past the part's width masked, as 1) for `read_kv`
-    to repeat over their channels, or, for groups that do not divide Pd (the part's
+    tile its part's own (`fmt.part_scales`); with finer groups, per tile, the row's groups
+    `[block, Pd / group size]` (those past the tile's width masked, as 1) for `read_kv`
+    to repeat over their channels, or, for groups that do not divide Pd (the tile's
     width padded to a power of two), each element's scale `[block, Pd]`.
 
     Args:
       scale_ref: None (plain pools), float32 `[1]` ("tensor") or the pool's scale pages
         (`[N, Hkv, P, G]`, or as `fmt.layout` says) ("group").
-      at, kv, t_ok, head_dim: as `read_kv`."""
+      at, kv, t_ok, head_dim, segmented: as `read_kv`."""
     if fmt.dtype is None or scale_ref.shape == (1,):
         return None
     entries, kvh, offsets = at
-    part_dim = head_dim // fmt.parts
+    tiles = dot_columns(fmt, head_dim, segmented)
     if fmt.factored(head_dim):
         index = fmt.layout.index(scale_ref, entries[:, 0], offsets[:, 0], kvh, kv)
         load = lambda g: plgpu.load(scale_ref.at[(*index, jnp.int32(g))], mask=t_ok, other=1)  # noqa: E731
         if fmt.row_scales:
             return load(0)
-        return tuple(load(p * part_dim // fmt.group_size) for p in range(fmt.parts))
+        return tuple(load(first // fmt.group_size) for first, _ in tiles)
     index = fmt.layout.index(scale_ref, entries, offsets, kvh, kv)
     return tuple(
-        _group_scales(scale_ref, index, fmt.group_size, p, part_dim, t_ok) for p in range(fmt.parts)
+        _group_scales(scale_ref, index, fmt.group_size, first, width, t_ok)
+        for first, width in tiles
     )
 
 
@@ -226,18 +281,19 @@ def factored_scales(scale_ref, scales, t_ok):
 
 
 def scaled_sum(dots, part_scales=None):
-    """The sum of the parts' logits `[rows, block]`, each times its `[block]` scales
-    (`part_scales`: None, or one per part)."""
+    """The sum of the tiles' logits `[rows, block]`, each times its `[block]` scales
+    (`part_scales`: None, or one per tile)."""
     if part_scales is None:
         return sum(dots)
     return sum(s * c[None, :] for s, c in zip(dots, part_scales, strict=True))
 
 
 def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scales=None,
-            asm: bool = False, biased: bool = False, unscaled: bool = False):  # fmt: skip
-    """One K or V tile of `block` tokens: a tuple of `[block, Pd]` parts of `dtype`,
-    dequantized except for factored scales (`fmt.factored`: the caller applies
-    `factored_scales`).
+            asm: bool = False, biased: bool = False, unscaled: bool = False,
+            segmented: bool = False):  # fmt: skip
+    """The K or V rows of `block` tokens: a tuple of `[block, Pd]` tiles of `dtype`, one
+    per part or, `segmented`, per segment of a part (`dot_columns`), dequantized except
+    for factored scales (`fmt.factored`: the caller applies `factored_scales`).
     Codes become bfloat16 values without conversion instructions (`codes.py`; `asm`: on
     the GPU, not in interpret mode); finer groups multiply by their bfloat16 scale in
     bfloat16 (one rounding of the exact product, as the reference's).
@@ -249,8 +305,10 @@ def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scal
       kv: 0 reading K, 1 reading V (for layouts holding both in one array).
       t_ok: `[block]`, tokens to read (others read as zeros).
       head_dim: D; each part spans D / parts channels, padded to a power of two of at
-        least 16 (Pd, `dot_width`: a dot's contraction needs 16).
-      scales: finer groups: what `load_scales` gave for these tokens.
+        least 16 (Pd, `dot_width`: a dot's contraction needs 16); with `segmented`, each
+        segment of a part so (`column_segments`).
+      scales: finer groups: what `load_scales` gave for these tokens (with the same
+        `segmented`).
       biased: INT4 with factored scales, or `unscaled`: the values plus `codes.INT4_BIAS`
         (the caller takes `INT4_BIAS * sum(q)` off the logits; the decode kernel's
         `biased_keys`).
@@ -259,25 +317,29 @@ def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scal
     """
     entries, kvh, offsets = at
     index = fmt.layout.index(ref, entries, offsets, kvh, kv)
-    part_dim = head_dim // fmt.parts
-    dims = jnp.arange(dot_width(part_dim))
-    ok = t_ok[:, None] & (dims < part_dim)[None, :]
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
-    raw = plgpu.load(ref.at[(*index, dims[None, :])], mask=ok, other=other)
-    if fmt.dtype is None or fmt.factored(head_dim) or unscaled:
-        return tuple(_decode(raw, fmt, dtype, asm, biased))
+    scaled = not (fmt.dtype is None or fmt.factored(head_dim) or unscaled)
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
-    parts = []
-    for values, scale in zip(_decode(raw, fmt, exact, asm), scales, strict=True):
-        scale = _spread(scale, fmt.group_size, part_dim)
-        parts.append((values * scale.astype(exact)).astype(dtype))
-    return tuple(parts)
+    tiles = []
+    for first, width in dot_columns(fmt, head_dim, segmented)[:: fmt.parts]:
+        dims = jnp.arange(dot_width(width))
+        ok = t_ok[:, None] & (dims < width)[None, :]
+        raw = plgpu.load(ref.at[(*index, first + dims[None, :])], mask=ok, other=other)
+        tiles += _decode(raw, fmt, exact if scaled else dtype, asm, biased)  # a tile a part
+    if not scaled:
+        return tuple(tiles)
+    widths = [width for _, width in dot_columns(fmt, head_dim, segmented)]
+    return tuple(
+        (values * _spread(scale, fmt.group_size, width).astype(exact)).astype(dtype)
+        for values, scale, width in zip(tiles, scales, widths, strict=True)
+    )
 
 
-def _group_scales(scale_ref, index, group_size: int, part: int, part_dim: int, t_ok):
-    """The scales of part `part` of a tile's rows (columns `part * part_dim ...`) from
-    per-group scale pages: `[block, n]`, a row's n = part_dim / group_size groups (one
-    vector load: contiguous), which `_spread` repeats over their channels in registers.
+def _group_scales(scale_ref, index, group_size: int, first: int, width: int, t_ok):
+    """The scales of a tile's rows (`width` channels from channel `first`, a part or a
+    segment of one) from per-group scale pages: `[block, n]`, a row's n = width /
+    group_size groups (one vector load: contiguous), which `_spread` repeats over their
+    channels in registers.
     Loading the scale per element instead (an index per channel) issued a load
     instruction per value, 16x those of the codes: INT4 with groups of 32 decoded slower
     than bf16. A part of a width that is no power of two loads its groups padded to the
@@ -285,41 +347,44 @@ def _group_scales(scale_ref, index, group_size: int, part: int, part_dim: int, t
     their codes read as 0): INT8 at D 96 in groups of 8, B64 ctx16384, 1.06 ms against
     1.94 per element. Groups that do not tile the padded width keep the per-element load
     (`[block, Pd]`)."""
-    if _per_element(group_size, part_dim):
-        dims = jnp.arange(dot_width(part_dim))
-        group = (part * part_dim + dims[None, :]) // group_size
-        ok = t_ok[:, None] & (dims < part_dim)[None, :]
+    if _per_element(group_size, width):
+        dims = jnp.arange(dot_width(width))
+        group = (first + dims[None, :]) // group_size
+        ok = t_ok[:, None] & (dims < width)[None, :]
         return plgpu.load(scale_ref.at[(*index, group)], mask=ok, other=1)
-    n, width = part_dim // group_size, dot_width(part_dim) // group_size
-    cols = part * n + jnp.arange(width)
-    ok = jnp.broadcast_to(t_ok[:, None], (t_ok.shape[0], width))
-    if width > n:  # a padded part (no power of two): its groups past the part masked
-        ok = ok & (jnp.arange(width) < n)[None, :]
+    n, loaded = width // group_size, dot_width(width) // group_size
+    cols = first // group_size + jnp.arange(loaded)
+    ok = jnp.broadcast_to(t_ok[:, None], (t_ok.shape[0], loaded))
+    if loaded > n:  # a padded tile (no power of two): its groups past the tile masked
+        ok = ok & (jnp.arange(loaded) < n)[None, :]
     return plgpu.load(scale_ref.at[(*index, cols[None, :])], mask=ok, other=1)
 
 
-def _per_element(group_size: int, part_dim: int) -> bool:
-    """Parts whose groups are loaded per element (`_group_scales`): groups that do not tile
-    the part, or its dot's width (a power of two)."""
-    return part_dim % group_size != 0 or dot_width(part_dim) % group_size != 0
+def _per_element(group_size: int, width: int) -> bool:
+    """Tiles whose groups are loaded per element (`_group_scales`): groups that do not tile
+    the tile's `width` channels, or its dot's width (a power of two)."""
+    return width % group_size != 0 or dot_width(width) % group_size != 0
 
 
-def scales_per_element(fmt: CacheFormat, head_dim: int) -> bool:
-    """A tile's scales come one per element (`[block, Pd]` a part): too many registers to
+def scales_per_element(fmt: CacheFormat, head_dim: int, segmented: bool = False) -> bool:
+    """A tile's scales come one per element (`[block, Pd]` a tile): too many registers to
     carry from one step to the next (`load_scales`)."""
     return (
         fmt.dtype is not None
         and fmt.granularity == "group"
         and not fmt.factored(head_dim)
-        and _per_element(fmt.group_size, head_dim // fmt.parts)
+        and any(_per_element(fmt.group_size, w) for _, w in dot_columns(fmt, head_dim, segmented))
     )
 
 
-def _spread(scales, group_size: int, part_dim: int):
-    """`_group_scales`' tile -> the scale of each element of the part, `[block, Pd]`."""
-    if _per_element(group_size, part_dim):
+def _spread(scales, group_size: int, width: int):
+    """`_group_scales`' tile -> the scale of each element of a tile of `width` channels,
+    `[block, Pd]`."""
+    if _per_element(group_size, width):
         return scales
-    block, n = scales.shape  # n >= 2: groups of a whole part are factored (`part_scales`)
+    block, n = scales.shape  # n >= 1 (groups of a whole part are factored: `part_scales`)
+    if n == 1:  # a segment of one group: a plain broadcast, no reshape
+        return jnp.broadcast_to(scales, (block, group_size))
     spread = jnp.broadcast_to(scales[:, :, None], (block, n, group_size))
     return spread.reshape(block, n * group_size)  # n * group_size = Pd
 

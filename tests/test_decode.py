@@ -20,7 +20,7 @@ from oracle import attention_oracle
 
 import jaxattn
 from jaxattn.decode import cache_format
-from pallas_kernels.cache_read import reads_v_words
+from pallas_kernels.cache_read import reads_segments, reads_v_words
 from pallas_kernels.paged_decode.stacked import stacks
 
 impls = pytest.mark.parametrize("impl", util.IMPLEMENTATIONS)
@@ -272,8 +272,8 @@ def test_decode_heuristic_small_heads(head_dim):
 
 def test_decode_heuristic_heads_of_no_power_of_two():
     """Head dims 80 and 96 over our pages: 8 query rows for every quantized format (V read
-    as codes there), INT4 groups with >= one program per SM in 64-token blocks of 2 warps;
-    OpenPPL's layouts keep their rows."""
+    as codes there), INT4 per tensor and in groups with >= one program per SM in 64-token
+    blocks of 2 warps; OpenPPL's layouts keep their rows."""
     for head_dim in (80, 96):
         heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                       head_dim=head_dim, query_group=4, v_words=False)  # fmt: skip
@@ -282,8 +282,11 @@ def test_decode_heuristic_heads_of_no_power_of_two():
                 kw = dict(code=code, group_size=group_size, row_scales=row_scales)
                 many, few = heuristic(64, 8, 16384, 16, **kw), heuristic(8, 8, 8192, 16, **kw)
                 assert many.query_rows == few.query_rows == 8, kw
-                if code == "int4" and group_size:
+                if code == "int4" and not row_scales:
                     assert (many.block_kv, many.num_warps, few.block_kv) == (64, 2, 128), kw
+                else:  # INT8 with one scale a row: 64x2x3 whenever V is read as codes
+                    int8_row = code == "int8" and row_scales
+                    assert (many.block_kv, many.num_warps) == ((64, 2) if int8_row else (128, 4))
                 assert many.num_stages == few.num_stages == 3, kw
                 assert not (many.k_words or few.k_words or many.stacked or few.stacked), kw
         ppl = heuristic(64, 8, 16384, 16, code="int8", pages=False)
@@ -480,16 +483,52 @@ def test_quantized_decode_vs_oracle(quant, dtype, impl):
     [(jaxattn.KVQuant("int4", "group", 40), 80), (jaxattn.KVQuant("int8", "group", 8), 80),
      (jaxattn.KVQuant("int4", "group", 8), 80), (jaxattn.KVQuant("int4", "group", 16), 96),
      (jaxattn.KVQuant("float8_e4m3fn", "group", 32), 96),
-     (jaxattn.KVQuant("int8", "group", 24), 96), (jaxattn.KVQuant("int4", "group", 4), 16)],
+     (jaxattn.KVQuant("int8", "group", 24), 96), (jaxattn.KVQuant("int4", "group", 4), 16),
+     (jaxattn.KVQuant("int8"), 96), (jaxattn.KVQuant("int4", "group", None), 96),
+     (jaxattn.KVQuant("int4", "group", 32), 96),
+     (jaxattn.KVQuant("float8_e4m3fn", "group", 16), 112)],
     ids=str,
 )  # fmt: skip
 def test_quantized_decode_odd_head_dim(quant, head_dim):
-    """Head dims 80 and 96, no power of two: INT4 parts of 40 channels, padded to 64 for the
-    dot, each with its own scale (factored); groups of 8, 16, 32 whose scales load padded
-    to the dot's width (INT8 at D 80: 10 groups of a 128-wide tile, 16 loaded; INT4 halves
-    of 40: 5 of 8; INT4 halves of 8 at D 16, padded to 16: 2 of 4); groups of 24 (no
-    divisor of the padded width), a scale per element."""
+    """Head dims 80, 96 and 112, no power of two, read in segments (96 = 64 + 32; INT4
+    halves of 40 = 32 + 8, the 8 padded to 16; 112 = 64 + 32 + 16) and, in a run of their
+    own, as one tile padded to a power of two: INT4 halves of 40 channels, each with its
+    own scale (factored); per tensor and one scale a row; groups of 8, 16, 32 whose scales
+    load as one vector a tile, padded to the dot's width without segments (INT8 at D 80:
+    10 groups of a 128-wide tile, 16 loaded; INT4 halves of 40: 5 of 8; INT4 halves of 8
+    at D 16, padded to 16: 2 of 4; in segments INT4's 8 channels: 1 of 2); groups that
+    tile no segment (INT4 groups of 32 in halves of 48) read unsegmented; groups of 24 (no
+    divisor of the padded width), a scale per element, unsegmented."""
     _quantized_decode_vs_oracle(quant, "float32", "pallas", head_dim)
+
+
+def test_column_segments():
+    """Power-of-two runs, widest first, the last padded to 16 when narrower; one run where
+    segments would pad as much; tiles in `read_kv`'s order (segments outer, INT4's halves
+    inner); segments where the scales allow, not for float pools nor 8-bit groups of 32."""
+    from pallas_kernels.cache_read import CacheFormat, column_segments, dot_columns
+
+    want = {80: ((0, 64), (64, 16)), 96: ((0, 64), (64, 32)), 112: ((0, 64), (64, 32), (96, 16)),
+            40: ((0, 32), (32, 8)), 192: ((0, 128), (128, 64)), 128: ((0, 128),),
+            24: ((0, 24),), 8: ((0, 8),)}  # fmt: skip
+    for width, runs in want.items():
+        assert column_segments(width) == runs, width
+    for width in range(1, 600):  # every channel once, in order, each run a dot's worth
+        runs = column_segments(width)
+        assert [s for s, _ in runs] == list(np.cumsum([0] + [w for _, w in runs[:-1]]))
+        assert sum(w for _, w in runs) == width
+        assert all(w & (w - 1) == 0 for _, w in runs[:-1]) and runs[-1][1] >= 1
+    int4 = CacheFormat("int4", "group", 16)
+    assert dot_columns(int4, 96, True) == ((0, 32), (48, 32), (32, 16), (80, 16))
+    assert dot_columns(int4, 96) == ((0, 48), (48, 48))
+    cases = {("int8", "tensor", 0, 96): True, ("int8", "group", 8, 80): True,
+             ("int8", "group", 32, 96): False, ("int8", "group", 24, 96): False,
+             ("int4", "group", 16, 96): True, ("int4", "group", 32, 96): False,
+             ("int4", "group", 48, 96): True, ("float8_e4m3fn", "group", 0, 112): True,
+             (None, "tensor", 0, 96): False, ("int8", "tensor", 0, 128): False}  # fmt: skip
+    for (code, granularity, group, d), want_segments in cases.items():
+        fmt = CacheFormat(code, granularity, group)
+        assert reads_segments(fmt, d) == want_segments, (fmt, d)
 
 
 @pytest.mark.parametrize(
@@ -621,14 +660,18 @@ def _quantized_decode_vs_oracle(quant, dtype, impl, d, heuristic=False, soft_cap
     # the default head dim, 32, where they do not); xla: one run.
     fmt = cache_format(cache)
     # (splits, V read as words where the format allows, query rows, stacked rows: where
-    # the format allows, `paged_decode.stacked`; INT4 K read as words, where V is)
-    runs = [(1, True, 16, False, False), (2, True, 8, False, False)]
-    runs += [(2, True, 4, True, False)] * stacks(fmt, d)
-    runs += [(2, False, 4, False, False)] * (reads_v_words(fmt, d) and util.ON_GPU)
-    runs += [(3, True, 8, False, True)] * (fmt.dtype == "int4" and reads_v_words(fmt, d))
+    # the format allows, `paged_decode.stacked`; INT4 K read as words, where V is; rows
+    # read in segments, where the head dim and format allow: `cache_read.reads_segments`)
+    runs = [(1, True, 16, False, False, True), (2, True, 8, False, False, True)]
+    runs += [(2, True, 4, True, False, True)] * stacks(fmt, d)
+    runs += [(2, False, 4, False, False, True)] * (reads_v_words(fmt, d) and util.ON_GPU)
+    runs += [(3, True, 8, False, True, True)] * (fmt.dtype == "int4" and reads_v_words(fmt, d))
+    runs += [(2, True, 8, False, False, False)] * reads_segments(fmt, d)
     configs = [
-        jaxattn.PagedDecodeConfig(16, n, v_words=w, query_rows=r, stacked=st, k_words=kw)
-        for n, w, r, st, kw in runs
+        jaxattn.PagedDecodeConfig(
+            16, n, v_words=w, query_rows=r, stacked=st, k_words=kw, segments=sg
+        )
+        for n, w, r, st, kw, sg in runs
     ]
     for config in [None] if impl != "pallas" or heuristic else configs:
         out = util.jit_call(jaxattn.paged_decode, q, cache, tables, lens,

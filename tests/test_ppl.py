@@ -210,6 +210,18 @@ def test_layouts_pallas(cache_layout, cache_mode, quant_bit):
     check(case, run(case, "pallas"))
 
 
+@pytest.mark.parametrize(
+    "cache_layout, cache_mode, quant_bit", [(0, 1, 8), (3, 0, 4), (1, 0, 8), (2, 1, 4)]
+)
+def test_odd_head_dim_pallas(cache_layout, cache_mode, quant_bit):
+    """Head dim 96 (no power of two), groups of 8: the decode kernel reads PPL's rows in
+    segments (INT8 64 + 32 channels, INT4 halves of 48 as 32 + 16 bytes), in place, from
+    the token layouts as from the page-major ones."""
+    case = case_for("d96", cache_layout=cache_layout, cache_mode=cache_mode,
+                    quant_bit=quant_bit, head_dim=96, **dtypes_for(quant_bit))  # fmt: skip
+    check(case, run(case, "pallas"))
+
+
 def test_int4_decode_over_several_blocks():
     """INT4 (groups of 8 = a scale per half-row at head_dim 16) read in 16-token blocks, two
     splits: the decode kernel's loads issued a step ahead cross steps in a token layout (the

@@ -49,10 +49,12 @@ from pallas_kernels import rope_read
 from pallas_kernels.cache_read import (
     PLAIN,
     CacheFormat,
+    dot_columns,
     factored_scales,
     load_scales,
     read_kv,
     read_words,
+    reads_segments,
     reads_v_words,
     ring_position,
     scaled_sum,
@@ -118,6 +120,7 @@ def _paged_decode_kernel(
     k_words: bool,
     biased_keys: bool,
     stacked: bool,
+    segmented: bool,
 ):
     refs = list(refs)
     k_scale_ref = v_scale_ref = None
@@ -139,11 +142,13 @@ def _paged_decode_kernel(
     b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, max_pages = fmt.layout.page_size_of(k_ref), table_ref.shape[1]
     # q, K (and V read as codes) come in `fmt.parts` parts of D / parts channels (two for
-    # INT4: cache_read); V read as words in four parts of strided channels, and with
-    # `k_words` q and K too.
-    part_dim = head_dim // fmt.parts
-    dims = jnp.arange(dot_width(part_dim))
-    dim_ok = dims[None, :] < part_dim  # [1, Pd]
+    # INT4: cache_read), with `segmented` each in segments of power-of-two widths: one
+    # tile a dot (`cache_read.dot_columns`); V read as words in four parts of strided
+    # channels, and with `k_words` q and K too.
+    tiles = []  # (channels [1, W], which hold channels [1, W]) of each tile
+    for first, width in dot_columns(fmt, head_dim, segmented):
+        cols = jnp.arange(dot_width(width))[None, :]
+        tiles.append((first + cols, cols < width))
     g = jnp.arange(rows)
     row_ok = g < group
     heads = kvh * group + g  # [rows] query heads of this kv group
@@ -157,7 +162,7 @@ def _paged_decode_kernel(
     if k_words:  # K read as words: q in the word parts' strided channels
         q = tuple(query_part(cols, True) for cols in word_columns(fmt, head_dim))
     else:
-        q = tuple(query_part(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts))
+        q = tuple(query_part(cols, ok) for cols, ok in tiles)
     ctx = ctx_ref[b]
     pos = ctx - 1  # the query's position
     cached = cached_tokens(ctx, has_new)
@@ -168,9 +173,8 @@ def _paged_decode_kernel(
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     qk_scale = params.scale * (1.0 if params.soft_cap is not None else LOG2E)
     if has_rope:  # StreamingLLM: rotate q and keys at their positions within the cache
-        part_cols = [p * part_dim + dims[None, :] for p in range(fmt.parts)]
         rope_at = dict(window=params.window, sink_tokens=params.sink_tokens,
-                       part_cols=part_cols, col_ok=dim_ok)  # fmt: skip
+                       part_cols=[cols for cols, _ in tiles], col_ok=tiles[0][1])  # fmt: skip
         q_rot = rope_read.decode_queries(q, rope_refs, b, heads, row_ok, pos, **rope_at)
 
     def logits(s, t):  # q.k `[rows, n]` of tokens t `[n]` -> base-2 logits (unmasked)
@@ -209,7 +213,7 @@ def _paged_decode_kernel(
     # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms). Not scales per element (groups that do
     # not divide the padded part): a `[block, Pd]` tile a part, for K and V, is too much
     # to carry.
-    ahead = fmt.dtype is not None and not scales_per_element(fmt, head_dim)
+    ahead = fmt.dtype is not None and not scales_per_element(fmt, head_dim, segmented)
 
     def tokens(block):  # block's token positions [block_kv], which exist, where stored
         t = block * block_kv + jnp.arange(block_kv)
@@ -229,7 +233,7 @@ def _paged_decode_kernel(
         # Entries are clipped into the pool on use: a corrupt table never reads off it.
         entries = plgpu.load(table_ref.at[row, col], mask=t_ok & (col < max_pages), other=0)
         at = (entries[:, None], kvh, (stored_at % page_size)[:, None])
-        scales = tuple(load_scales(ref, fmt, at, kv, t_ok, head_dim)
+        scales = tuple(load_scales(ref, fmt, at, kv, t_ok, head_dim, segmented)
                        for kv, ref in enumerate((k_scale_ref, v_scale_ref)))  # fmt: skip
         return entries, scales
 
@@ -244,7 +248,7 @@ def _paged_decode_kernel(
         at = (entries[:, None], kvh, (stored_at % page_size)[:, None])
         read = functools.partial(
             read_kv, fmt=fmt, at=at, t_ok=t_ok, head_dim=head_dim, asm=not interpret,
-            unscaled=stacked,
+            unscaled=stacked, segmented=segmented,
         )  # fmt: skip
         if k_words:
             k = read_words(k_ref, fmt, at, t_ok, head_dim, dtype, k_scales, asm=not interpret,
@@ -307,7 +311,7 @@ def _paged_decode_kernel(
     lo_b, start, end = split_blocks(spans, ctx, ctx_all, split, num_splits)
 
     # The output's parts: (columns [1, W], which are channels [1, W]).
-    v_parts = [(p * part_dim + dims[None, :], dim_ok) for p in range(fmt.parts)]
+    v_parts = tiles
     if v_words:  # V in parts of strided channels (cache_read.read_words), all channels
         v_parts = [(cols, jnp.full(cols.shape, True)) for cols in word_columns(fmt, head_dim)]
     widths = tuple(cols.shape[1] for cols, _ in v_parts)
@@ -320,9 +324,10 @@ def _paged_decode_kernel(
         # from it, so nothing of it stays live through the loops (holding its logits and
         # value through them, or q for them after, ran B64 ctx2048 15-17% slower).
         new_ok = (split == 0) & (ctx > 0)
+        [cols] = tiles  # plain pools: one tile
         k_new, v_new = new_token(new_refs, new_heads, q_rope_refs, pool_refs[0].dtype, b, kvh,
-                                 dims[None, :], dim_ok)  # fmt: skip
-        store_new_token(new_refs[2], pool_refs, b, kvh, new_ok, k_new, v_new, dims[None, :], dim_ok)
+                                 *cols)  # fmt: skip
+        store_new_token(new_refs[2], pool_refs, b, kvh, new_ok, k_new, v_new, *cols)
         s_new = jnp.sum(q[0].astype(jnp.float32) * k_new.astype(dtype).astype(jnp.float32), axis=1)
         s_new = logits(s_new[:, None], jnp.full((1,), pos))[:, 0]
         carry = first_key(carry, new_ok, s_new, v_new.astype(dtype))
@@ -554,6 +559,7 @@ def paged_decode(
     v_words = config.v_words and reads_v_words(fmt, head_dim)
     stacked = config.stacked and v_words and rope is None and stacked_rows.stacks(fmt, head_dim)
     k_words = config.k_words and v_words and fmt.dtype == "int4" and not stacked and rope is None
+    segmented = config.segments and rope is None and not v_words and reads_segments(fmt, head_dim)
     biased_keys = (
         fmt.dtype == "int4"
         and rope is None
@@ -587,6 +593,7 @@ def paged_decode(
         k_words=k_words,
         biased_keys=biased_keys,
         stacked=stacked,
+        segmented=segmented,
     )
     out, lse, *pools = whole_array_call(
         kernel,
