@@ -7,7 +7,7 @@ ever exists in HBM. A scale that is constant along a row (per tensor, or per tok
 head: per-group scales with `group_size = head_dim`), or along each part's row (INT4 in
 groups of D/2), is factored out of the tile: the stored integers (exact in bf16) go
 straight to the dot, and the scale multiplies the logits (K) or the probabilities (V) of
-that token, `[block]` values instead of `[block, D]` (per part: the part's dot). Finer
+that token, `[block]` values instead of `[block, D]` (per part: each of its tiles' dots). Finer
 groups are applied per element: `(stored as float32) * scale`, rounded once to the
 query's dtype, as the reference does. Scales are loaded apart from their tile
 (`load_scales`), so that a kernel can issue them a step ahead.
@@ -20,7 +20,8 @@ nibbles never need interleaving.
 Head dims that are no power of two may be read in segments (`reads_segments`): each part's
 channels as runs of power-of-two widths (96 = 64 + 32), a dot each, rather than one tile
 padded to the next power of two (128), whose padding the kernel would convert and
-multiply for nothing. A "tile" below is one dot's columns: a part's segment.
+multiply for nothing. A "tile" below is one dot's columns: a part, or a segment of one
+(`dot_columns`); one load of stored columns gives a tile per part (INT4: two).
 
 V tiles may instead be read as words of four codes (`read_words`; 8-bit codes: 32-bit
 words of four channels, INT4: 16-bit half-words of two bytes): the PV dot then runs in four
@@ -181,9 +182,11 @@ def ring_position(t, ring: tuple[int, int] | None):
 
 def column_segments(width: int) -> tuple[tuple[int, int], ...]:
     """(first column, width) of the runs a part of `width` channels is read in with
-    segments: power-of-two widths, widest first, the last padded to 16 when narrower
-    (80 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 8); one run when that pads no less than one
-    tile of the part (`dot_width`: 24 -> 16 + 8 would pad to 32 all the same)."""
+    segments: power-of-two widths, widest first, down to 16; what is left below 16 is
+    the last run, padded to 16 for its dot (80 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 8,
+    108 -> 64 + 32 + 12); one run when that pads no less than one tile of the part
+    (`dot_width`: 24 -> 16 + 8 would pad to 32 all the same; 120 -> 64 + 32 + 16 + 8 to
+    128)."""
     runs, start = [], 0
     while start < width:
         run = min(1 << ((width - start).bit_length() - 1), width - start)
@@ -210,11 +213,14 @@ def dot_columns(fmt: CacheFormat, head_dim: int, segmented: bool = False) -> tup
 def reads_segments(fmt: CacheFormat, head_dim: int) -> bool:
     """Whether this format's rows are read in segments (`column_segments`) where the
     config asks for them: quantized pools (float pools are read at the memory's pace
-    either way) whose part width is no power of two, with scales that are factored or
+    either way) whose part width `column_segments` splits (no power of two, and split
+    it pads less than one tile), with scales that are factored or
     whose groups tile every segment (else the scales come per element, as without
     segments), but 8-bit codes in groups of 32 channels or more, which ran slower so
     (H100, B64 ctx16384 D96, groups of 32: INT8 1.14 against 1.07 ms, FP8 1.09 against
-    0.93; probes of 2026-11-27 11:25-11:48 UTC, bench/HISTORY.md)."""
+    0.93; probes of 2026-11-27 11:25-11:48 UTC, bench/HISTORY.md; wider groups and other
+    head dims not measured). `read_kv` and `load_scales` take `segmented` only where
+    this holds: groups that tile no segment would load misaligned scales."""
     part_dim = head_dim // fmt.parts
     runs = column_segments(part_dim)
     if fmt.dtype is None or len(runs) == 1:
@@ -227,7 +233,7 @@ def reads_segments(fmt: CacheFormat, head_dim: int) -> bool:
 
 
 def _decode(raw, fmt: CacheFormat, dtype, asm: bool, biased: bool = False) -> list:
-    """Stored tile `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part
+    """Stored columns `[block, Pd]` -> value tiles of `dtype` (unscaled), one per part
     (`biased`: INT4 values plus INT4_BIAS)."""
     if fmt.dtype is not None and dtype == jnp.bfloat16:
         return codes_to_bf16(raw, fmt.dtype, asm=asm, biased=biased)
@@ -271,8 +277,8 @@ def load_scales(scale_ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int,
 
 def factored_scales(scale_ref, scales, t_ok):
     """The factored scales of `block` tokens (`fmt.factored`), float32 `[block]`, or a
-    tuple of them per part, from the per-tensor `scale_ref` or what `load_scales` gave
-    (`scales`)."""
+    tuple of them per tile (each its part's), from the per-tensor `scale_ref` or what
+    `load_scales` gave (`scales`)."""
     if scales is None:  # per tensor
         return jnp.full(t_ok.shape, scale_ref[0], jnp.float32)
     if isinstance(scales, tuple):
@@ -282,7 +288,7 @@ def factored_scales(scale_ref, scales, t_ok):
 
 def scaled_sum(dots, part_scales=None):
     """The sum of the tiles' logits `[rows, block]`, each times its `[block]` scales
-    (`part_scales`: None, or one per tile)."""
+    (`part_scales`: None, or one per tile, its part's)."""
     if part_scales is None:
         return sum(dots)
     return sum(s * c[None, :] for s, c in zip(dots, part_scales, strict=True))
@@ -320,18 +326,18 @@ def read_kv(ref, fmt: CacheFormat, at, kv: int, t_ok, head_dim: int, dtype, scal
     other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     scaled = not (fmt.dtype is None or fmt.factored(head_dim) or unscaled)
     exact = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32  # code * bf16 scale
+    columns = dot_columns(fmt, head_dim, segmented)
     tiles = []
-    for first, width in dot_columns(fmt, head_dim, segmented)[:: fmt.parts]:
+    for first, width in columns[:: fmt.parts]:  # a load a segment: a tile per part
         dims = jnp.arange(dot_width(width))
         ok = t_ok[:, None] & (dims < width)[None, :]
         raw = plgpu.load(ref.at[(*index, first + dims[None, :])], mask=ok, other=other)
         tiles += _decode(raw, fmt, exact if scaled else dtype, asm, biased)  # a tile a part
     if not scaled:
         return tuple(tiles)
-    widths = [width for _, width in dot_columns(fmt, head_dim, segmented)]
     return tuple(
         (values * _spread(scale, fmt.group_size, width).astype(exact)).astype(dtype)
-        for values, scale, width in zip(tiles, scales, widths, strict=True)
+        for values, scale, (_, width) in zip(tiles, scales, columns, strict=True)
     )
 
 
@@ -342,11 +348,11 @@ def _group_scales(scale_ref, index, group_size: int, first: int, width: int, t_o
     channels in registers.
     Loading the scale per element instead (an index per channel) issued a load
     instruction per value, 16x those of the codes: INT4 with groups of 32 decoded slower
-    than bf16. A part of a width that is no power of two loads its groups padded to the
-    dot's width, `[block, Pd / group_size]`, the groups past the part masked (scale 1;
+    than bf16. A tile of a width that is no power of two loads its groups padded to the
+    dot's width, `[block, Pd / group_size]`, the groups past the tile masked (scale 1;
     their codes read as 0): INT8 at D 96 in groups of 8, B64 ctx16384, 1.06 ms against
-    1.94 per element. Groups that do not tile the padded width keep the per-element load
-    (`[block, Pd]`)."""
+    1.94 per element (read unsegmented). Groups that do not tile the padded width keep
+    the per-element load (`[block, Pd]`)."""
     if _per_element(group_size, width):
         dims = jnp.arange(dot_width(width))
         group = (first + dims[None, :]) // group_size

@@ -273,7 +273,8 @@ def test_decode_heuristic_small_heads(head_dim):
 def test_decode_heuristic_heads_of_no_power_of_two():
     """Head dims 80 and 96 over our pages: 8 query rows for every quantized format (V read
     as codes there), INT4 per tensor and in groups with >= one program per SM in 64-token
-    blocks of 2 warps; OpenPPL's layouts keep their rows."""
+    blocks of 2 warps (per tensor only where its halves are read in segments: not at D120,
+    halves of 60); OpenPPL's layouts keep their rows."""
     for head_dim in (80, 96):
         heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                       head_dim=head_dim, query_group=4, v_words=False)  # fmt: skip
@@ -286,13 +287,17 @@ def test_decode_heuristic_heads_of_no_power_of_two():
                     assert (many.block_kv, many.num_warps, few.block_kv) == (64, 2, 128), kw
                 else:  # INT8 with one scale a row: 64x2x3 whenever V is read as codes
                     int8_row = code == "int8" and row_scales
-                    assert (many.block_kv, many.num_warps) == ((64, 2) if int8_row else (128, 4))
+                    want = (64, 2) if int8_row else (128, 4)
+                    assert (many.block_kv, many.num_warps) == want, kw
                 assert many.num_stages == few.num_stages == 3, kw
                 assert not (many.k_words or few.k_words or many.stacked or few.stacked), kw
         ppl = heuristic(64, 8, 16384, 16, code="int8", pages=False)
         assert ppl.query_rows == 16
         ppl = heuristic(64, 8, 16384, 16, code="int4", group_size=16, pages=False)
         assert (ppl.block_kv, ppl.num_warps) == (128, 4)
+    d120 = jaxattn.PagedDecodeConfig.heuristic(64, 8, 16384, 16, sm_count=132, code="int4",
+                                                head_dim=120, v_words=False)  # fmt: skip
+    assert (d120.block_kv, d120.num_warps) == (128, 4)
 
 
 def test_decode_heuristic_int4_keys_as_words():
@@ -502,22 +507,39 @@ def test_quantized_decode_odd_head_dim(quant, head_dim):
     _quantized_decode_vs_oracle(quant, "float32", "pallas", head_dim)
 
 
+@pytest.mark.parametrize(
+    "quant, head_dim",
+    [(jaxattn.KVQuant("int4", "group", 48), 96), (jaxattn.KVQuant("int8", "group", 8), 80)],
+    ids=str,
+)  # fmt: skip
+def test_quantized_decode_odd_head_dim_bf16(quant, head_dim):
+    """bf16 queries, read in segments: INT4 with a scale a half row reads its keys biased
+    (`n + 136`, the kernel's `biased_keys`), and `136 * sum(q)` of each segment's query
+    tile comes off that tile's logits; INT8 groups of 8 dequantize in bf16."""
+    _quantized_decode_vs_oracle(quant, "bfloat16", "pallas", head_dim)
+
+
 def test_column_segments():
-    """Power-of-two runs, widest first, the last padded to 16 when narrower; one run where
-    segments would pad as much; tiles in `read_kv`'s order (segments outer, INT4's halves
-    inner); segments where the scales allow, not for float pools nor 8-bit groups of 32."""
+    """Power-of-two runs, widest first, what is left below 16 the last (padded to 16 for its
+    dot); one run where segments would pad as much; tiles in `read_kv`'s order (segments
+    outer, INT4's halves inner); segments where the scales allow, not for float pools nor
+    8-bit groups of 32."""
     from pallas_kernels.cache_read import CacheFormat, column_segments, dot_columns
+    from pallas_kernels.common import dot_width
 
     want = {80: ((0, 64), (64, 16)), 96: ((0, 64), (64, 32)), 112: ((0, 64), (64, 32), (96, 16)),
             40: ((0, 32), (32, 8)), 192: ((0, 128), (128, 64)), 128: ((0, 128),),
             24: ((0, 24),), 8: ((0, 8),)}  # fmt: skip
     for width, runs in want.items():
         assert column_segments(width) == runs, width
-    for width in range(1, 600):  # every channel once, in order, each run a dot's worth
+    for width in range(1, 600):  # every channel once, in order, widest first
         runs = column_segments(width)
-        assert [s for s, _ in runs] == list(np.cumsum([0] + [w for _, w in runs[:-1]]))
-        assert sum(w for _, w in runs) == width
-        assert all(w & (w - 1) == 0 for _, w in runs[:-1]) and runs[-1][1] >= 1
+        widths = [w for _, w in runs]
+        assert [s for s, _ in runs] == list(np.cumsum([0] + widths[:-1]))
+        assert sum(widths) == width and widths == sorted(widths, reverse=True)
+        assert all(w & (w - 1) == 0 and w >= 16 for w in widths[:-1]), width
+        if len(runs) > 1:  # only where the dots then span fewer columns
+            assert sum(dot_width(w) for w in widths) < dot_width(width), width
     int4 = CacheFormat("int4", "group", 16)
     assert dot_columns(int4, 96, True) == ((0, 32), (48, 32), (32, 16), (80, 16))
     assert dot_columns(int4, 96) == ((0, 48), (48, 48))
@@ -529,6 +551,12 @@ def test_column_segments():
     for (code, granularity, group, d), want_segments in cases.items():
         fmt = CacheFormat(code, granularity, group)
         assert reads_segments(fmt, d) == want_segments, (fmt, d)
+    for d in range(16, 260, 4):  # where segments apply, every tile holds whole groups
+        for group in (g for g in range(4, d, 4) if d % g == 0):
+            for code in ("int8", "int4"):
+                fmt = CacheFormat(code, "group", group)
+                if reads_segments(fmt, d) and not fmt.factored(d):
+                    assert all(w % group == 0 for _, w in dot_columns(fmt, d, True)), (fmt, d)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.cache_read import PAGES, CacheFormat, reads_v_words
+from pallas_kernels.cache_read import PAGES, CacheFormat, column_segments, reads_v_words
 from pallas_kernels.common import device_sm_count, next_power_of_2
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
@@ -49,10 +49,10 @@ class PagedDecodeConfig:
         a value pair, where K read as bytes also takes a byte permute. Ignored for other
         formats, with stacked rows and with rope on read.
       segments: quantized caches whose head dim (INT4: half of it) is no power of two read
-        each row in segments of power-of-two widths, a dot each (96 = 64 + 32;
-        `cache_read.column_segments`), rather than one tile padded to the next power of
-        two; where the scales allow it (`cache_read.reads_segments`), not with V read as words
-        nor with rope on read.
+        each row in segments of power-of-two widths, a dot each (96 = 64 + 32), rather
+        than one tile padded to the next power of two, where that pads less
+        (`cache_read.column_segments`: not 120) and the scales allow it
+        (`cache_read.reads_segments`); not with V read as words nor with rope on read.
     """
 
     block_kv: int = 64
@@ -206,22 +206,21 @@ class PagedDecodeConfig:
           layouts 0 and 3, 0.54 against 0.57-0.59 ms with 16 rows). At B8, 64-token blocks
           in 2 warps ran 0-8% faster per tensor and 12% with INT4's one scale a row at D 64,
           14% slower with INT8's, 23-42% slower at D 32.
-          Head dims above 64 that are no power of two (measured at 80 and 96; V read as
-          codes there), over our pages: 8 query rows, and INT4 per tensor and in groups
-          with >= one program per SM in 64-token blocks of 2 warps (probe of 2026-11-27
-          10:20 UTC, against the former 128x4x3, 16 rows but for INT4 groups, which had 8;
-          B64 ctx16384 D96 / D80: INT8 per tensor 0.738 / 0.738 against 0.787 / 0.788 ms,
-          INT4 0.500 / 0.496 against 0.544 / 0.540, INT4 groups of 16 / 8 0.751 / 0.877
-          against 0.896 / 1.005, INT8 one a row at D96 (64x2x3) 0.918 against 1.057, FP8
-          groups of 32 0.922 against 0.974; B8 ctx8192 as fast or up to 10% faster). Rows
-          are then read in segments (`segments`; probes of 11:25-11:48 UTC, B64 ctx16384
-          D96 / D80, the heuristic's tiling against the one it took before, rows padded):
-          INT8 per tensor 0.641 / 0.583 against 0.749 / 0.748 ms, INT8 groups of 8 0.986
-          / 0.834 against 1.060 / 1.129, INT4 per tensor (64x2x3 as INT4 groups; 128x4x3
-          in segments 0.479 / 0.476) 0.443 / 0.472 against 0.514 / 0.506, INT4 groups of 8
-          0.725 / 0.648 against 0.823 / 0.880, INT4 one a row 0.530 / 0.578 against 0.641 /
-          0.600; B8 ctx8192 up to 1.24x faster, but INT4 per tensor at D96 (0.047 against
-          0.044 ms).
+          Head dims above 64 that are no power of two (measured at 80 and 96; V read as codes
+          there), over our pages: 8 query rows, and INT4 in groups, and per tensor where read
+          in segments (below), with >= one program per SM in 64-token blocks of 2 warps (probe
+          of 2026-11-27 10:20 UTC, against the former 128x4x3, 16 rows but for INT4 groups,
+          which had 8; B64 ctx16384 D96 / D80: INT8 per tensor 0.738 / 0.738 against 0.787 /
+          0.788 ms, INT4 0.500 / 0.496 against 0.544 / 0.540, INT4 groups of 16 / 8 0.751 /
+          0.877 against 0.896 / 1.005, INT8 one a row at D96 (64x2x3) 0.918 against 1.057, FP8
+          groups of 32 0.922 against 0.974; B8 ctx8192 as fast or up to 10% faster). Rows are
+          then read in segments (`segments`; probes of 11:25-11:48 UTC, B64 ctx16384 D96 /
+          D80, the heuristic's tiling against the one it took before, rows padded): INT8 per
+          tensor 0.641 / 0.583 against 0.749 / 0.748 ms, INT8 groups of 8 0.986 / 0.834
+          against 1.060 / 1.129, INT4 per tensor (64x2x3 as INT4 groups; 128x4x3 in segments
+          0.479 / 0.476) 0.443 / 0.472 against 0.514 / 0.506, INT4 groups of 8 0.725 / 0.648
+          against 0.823 / 0.880, INT4 one a row 0.530 / 0.578 against 0.641 / 0.600; B8
+          ctx8192 up to 1.24x faster, but INT4 per tensor at D96 (0.047 against 0.044 ms).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -259,7 +258,9 @@ class PagedDecodeConfig:
                 return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
-        if pages and odd_dim and code == "int4" and not row_scales and programs >= sm_count:
+        # INT4 groups (measured padded and in segments); per tensor where read in segments
+        int4_small = group_size or (not row_scales and len(column_segments(head_dim // 2)) > 1)
+        if pages and odd_dim and code == "int4" and int4_small and programs >= sm_count:
             return tiling(64, splits, 2, 3, query_rows=rows)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and pages and v_words:

@@ -14,6 +14,10 @@ GPU busy when `batch * num_kv_heads` is small against the number of SMs. Chunks 
 length across the batch (the longest row's span over `num_splits`): in a ragged batch all
 busy programs finish together, and a short row's surplus programs exit at once.
 
+Quantized caches whose head dim (INT4: half of it) is no power of two may be read in
+segments of power-of-two widths (`config.segments`, `cache_read.column_segments`): q, K,
+V and the output then come in one tile a segment (96 = 64 + 32 channels), a dot each.
+
 Quantized caches may have V read as words of four codes (`config.v_words`,
 `cache_read.read_words`; 32-bit words of INT8 / FP8, 16-bit half-words of INT4): the PV
 dot then runs in four parts of strided channels, and the output is stored part by part.
@@ -145,7 +149,7 @@ def _paged_decode_kernel(
     # INT4: cache_read), with `segmented` each in segments of power-of-two widths: one
     # tile a dot (`cache_read.dot_columns`); V read as words in four parts of strided
     # channels, and with `k_words` q and K too.
-    tiles = []  # (channels [1, W], which hold channels [1, W]) of each tile
+    tiles = []  # each tile's (channels [1, W], which of them exist [1, W])
     for first, width in dot_columns(fmt, head_dim, segmented):
         cols = jnp.arange(dot_width(width))[None, :]
         tiles.append((first + cols, cols < width))
@@ -191,16 +195,16 @@ def _paged_decode_kernel(
     n_groups = stacked_rows.groups(fmt, head_dim) if stacked else 1
     if stacked:  # each part's query rows once per group (`stacked`): `[n * rows, Pd]`
         q = tuple(stacked_rows.stack_queries(qp, fmt.group_size, n_groups) for qp in q)
-    # `biased_keys` (INT4 with a scale per half row, or stacked rows, or one scale a row with
-    # K read as half-words; bf16 queries): keys read as `n + INT4_BIAS`, no FMA a value
-    # pair; the logits of (stacked) query row r of part p are then q_r . (k_p + bias), and
-    # `bias * sum(q_r)` comes off them before their scale. H100, B64 ctx16384 (probe of
-    # 2026-11-26 13:22 UTC, bench/HISTORY.md): 0.601 against 0.649 ms, B8 ctx8192 0.054
-    # against 0.060. Per tensor, and one scale a row with K read as bytes, ran 1-7% slower
-    # so (0.437 / 0.528 against 0.431 / 0.492 ms) and keep the FMA; with K read as
-    # half-words one scale a row runs faster biased (0.454 against 0.492 ms), per tensor
-    # still slower (0.432 against 0.408; probe of 2026-11-27 03:50 UTC). Only the PTX
-    # conversion saves the FMA; float16 / float32 queries, whose casts cost the same
+    # `biased_keys` (INT4 with a scale per half row, or stacked rows, or one scale a row
+    # with K read as half-words; bf16 queries): keys read as `n + INT4_BIAS`, no FMA a value
+    # pair; the logits of (stacked) query row r of tile p are then q_r . (k_p + bias), and
+    # `bias * sum(q_r)` (over tile p's channels) comes off them before their scale. H100,
+    # B64 ctx16384 (probe of 2026-11-26 13:22 UTC, bench/HISTORY.md): 0.601 against 0.649
+    # ms, B8 ctx8192 0.054 against 0.060. Per tensor, and one scale a row with K read as
+    # bytes, ran 1-7% slower so (0.437 / 0.528 against 0.431 / 0.492 ms) and keep the FMA;
+    # with K read as half-words one scale a row runs faster biased (0.454 against 0.492 ms),
+    # per tensor still slower (0.432 against 0.408; probe of 2026-11-27 03:50 UTC). Only the
+    # PTX conversion saves the FMA; float16 / float32 queries, whose casts cost the same
     # either way, keep the exact values (the subtraction loses float32 digits).
     q_bias = None
     if biased_keys:
@@ -211,8 +215,8 @@ def _paged_decode_kernel(
     # ctx16384 (probes of 2026-11-26, bench/HISTORY.md): INT8 per tensor 0.88 -> 0.81 ms
     # (with 3 stages), groups of 8 1.56 -> 1.15; float pools ran as fast or slower
     # (B64 ctx2048, 3 stages: 0.198 -> 0.214 ms). Not scales per element (groups that do
-    # not divide the padded part): a `[block, Pd]` tile a part, for K and V, is too much
-    # to carry.
+    # not divide the padded tile): a `[block, Pd]` scale tile a tile, for K and V, is too
+    # much to carry.
     ahead = fmt.dtype is not None and not scales_per_element(fmt, head_dim, segmented)
 
     def tokens(block):  # block's token positions [block_kv], which exist, where stored
@@ -254,12 +258,12 @@ def _paged_decode_kernel(
             k = read_words(k_ref, fmt, at, t_ok, head_dim, dtype, k_scales, asm=not interpret,
                            kv=0, biased=biased_keys)  # fmt: skip
         else:
-            k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # parts
+            k = read(k_ref, kv=0, dtype=dtype, scales=k_scales, biased=biased_keys)  # tiles
         k_scale = v_scale = part_scales = None
         if factored:  # scales factored out of the tiles: they scale logits and probabilities
-            k_scale = factored_scales(k_scale_ref, k_scales, t_ok)  # [block_kv], or per part
+            k_scale = factored_scales(k_scale_ref, k_scales, t_ok)  # [block_kv], or per tile
             v_scale = factored_scales(v_scale_ref, v_scales, t_ok)
-            if fmt.part_scales(head_dim):  # each part's logits by its own
+            if fmt.part_scales(head_dim):  # each tile's logits by its part's own
                 part_scales, k_scale = k_scale, None
         if has_rope:
             s = rope_read.decode_scores(q_rot, k, rope_refs[1:], t, pos, precision,
