@@ -118,8 +118,8 @@ def paged_decode(
 
     Returns:
       out `[B, Hq, D]` in `out_dtype` (default q's; idle slots: zeros), and lse float32
-      with `return_lse`. Page ids and lengths are trusted:
-      check them with `validate_page_table` while debugging.
+      with `return_lse`. Page ids, lengths and indirection values are trusted: check
+      them with `validate_page_table` (given `cache_indirection` too) while debugging.
 
     Cache indirection, a worked example: one request, W = 2 beams, P = 2, 5 tokens.
 
@@ -349,7 +349,10 @@ def contiguous_kv_cache(
 
 
 def validate_page_table(
-    cache: PagedKVCache, block_tables: Int[Array, "B max_pages"], context_lens: Int[Array, " B"]
+    cache: PagedKVCache,
+    block_tables: Int[Array, "B max_pages"],
+    context_lens: Int[Array, " B"],
+    cache_indirection: Int[Array, "Bw W L"] | None = None,
 ) -> dict[str, jax.Array]:
     """Data-dependent checks (jittable), each a bool per sequence `[B]` (True = fine).
 
@@ -358,6 +361,12 @@ def validate_page_table(
       `[0, num_pages)`.
     - `pages_exclusive`: none of its pages is used by another sequence (beams sharing a
       prefix legitimately fail this one).
+    With `cache_indirection` (`paged_decode`'s, `[B // W, W, L]`), for the entries a row
+    reads (tokens `t < min(context_lens[b], L)`):
+    - `indirection_in_range`: each names a beam of the row's request, in `[0, W)` (the
+      kernels clamp others into that range: a wrong beam, read silently);
+    - `indirection_sources_hold`: the row each names holds token t (`t < its length`;
+      else its block table's entry for t is read, whatever page that is).
     Use `{k: bool(v.all()) for k, v in report.items()}` on the host to see what is wrong.
     """
     page_size, num_pages = cache.page_size, cache.num_pages
@@ -372,4 +381,29 @@ def validate_page_table(
     ids = jnp.where(used & in_range, block_tables, num_pages)  # unused -> a sentinel bin
     counts = jnp.zeros(num_pages + 1, jnp.int32).at[ids.reshape(-1)].add(1)
     exclusive = jnp.all((counts[ids] <= 1) | ~(used & in_range), axis=1)
-    return dict(length_in_capacity=capacity_ok, pages_in_range=pages_ok, pages_exclusive=exclusive)
+    report = dict(length_in_capacity=capacity_ok, pages_in_range=pages_ok,
+                  pages_exclusive=exclusive)  # fmt: skip
+    if cache_indirection is not None:
+        report.update(_indirection_report(cache_indirection, lens))
+    return report
+
+
+def _indirection_report(indirection, lens) -> dict[str, jax.Array]:
+    """`validate_page_table`'s indirection checks, `[B]` each."""
+    requests, width, ind_len = indirection.shape
+    if requests * width != lens.shape[0]:
+        raise ValueError(
+            f"validate_page_table: cache_indirection.shape={indirection.shape} for "
+            f"{lens.shape[0]} rows: expected [B // W, W, L] with B = {lens.shape[0]}"
+        )
+    src = indirection.reshape(requests * width, ind_len).astype(jnp.int32)  # [B, L]
+    t = jnp.arange(ind_len)
+    read = t[None, :] < lens[:, None]  # the entries a row reads
+    in_range = (src >= 0) & (src < width)
+    rows = jnp.arange(requests * width)
+    source = rows[:, None] - rows[:, None] % width + jnp.clip(src, 0, width - 1)
+    holds = t[None, :] < lens[source]
+    return dict(
+        indirection_in_range=jnp.all(in_range | ~read, axis=1),
+        indirection_sources_hold=jnp.all(holds | ~read, axis=1),
+    )

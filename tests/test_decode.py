@@ -874,6 +874,30 @@ def test_validate_page_table_reports_each_problem():
     assert all(bool(v.all()) for v in fine.values())
 
 
+def test_validate_page_table_reports_bad_indirection():
+    """Two requests of W = 2 beams (rows 0-1, 2-3): a beam id out of [0, W) among the
+    tokens a row reads, and a token read from a beam too short to hold it, are flagged on
+    the reading row; the same values past the row's length (never read) are not; under
+    jit too."""
+    cache = jaxattn.PagedKVCache.create(16, 4, 1, 8, dtype=jnp.float32)
+    tables = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+    lens = jnp.array([6, 6, 5, 3], jnp.int32)
+    ind = np.zeros((2, 2, 8), np.int32)
+    ind[0, 1, 2] = 2  # row 1 reads token 2 from beam 2 of a 2-beam request
+    ind[0, 0, 7] = -1  # row 0 holds 6 tokens: entry 7 is never read
+    ind[1, 0, 4] = 1  # row 2 reads token 4 from row 3, which holds 3 tokens
+    ind[1, 1, 3:] = 5  # row 3 holds 3 tokens: entries 3.. are never read
+    check = jax.jit(jaxattn.validate_page_table)
+    report = check(cache, tables, lens, jnp.asarray(ind))
+    assert report["indirection_in_range"].tolist() == [True, False, True, True]
+    assert report["indirection_sources_hold"].tolist() == [True, True, False, True]
+    fine = check(cache, tables, jnp.array([6, 6, 3, 3], jnp.int32), jnp.zeros((2, 2, 8), jnp.int32))
+    assert set(fine) > {"indirection_in_range", "pages_exclusive"}
+    assert all(bool(v.all()) for v in fine.values())
+    with pytest.raises(ValueError, match=r"cache_indirection\.shape"):
+        jaxattn.validate_page_table(cache, tables, lens, jnp.zeros((3, 2, 8), jnp.int32))
+
+
 BAD = {
     "rank": (lambda q, c, t, n: (q[0], c, t, n), r"q\.shape"),
     "head_dim": (lambda q, c, t, n: (q[..., :4], c, t, n), r"head_dim"),
