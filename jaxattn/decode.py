@@ -51,14 +51,7 @@ def _check(
         raise ValueError(f"{block_tables.dtype=}: expected an integer dtype")
     validation.check_int_vector("context_lens", context_lens, batch)
     if cache_indirection is not None:
-        shape = cache_indirection.shape
-        if len(shape) != 3 or shape[0] * shape[1] != batch or shape[2] < 1:
-            raise ValueError(
-                f"cache_indirection.shape={shape} and {q.shape=}: expected "
-                "[B // beam_width, beam_width, max_len] with max_len >= 1"
-            )
-        if not np.issubdtype(cache_indirection.dtype, np.integer):
-            raise ValueError(f"cache_indirection.dtype={cache_indirection.dtype}: expected int")
+        _check_indirection(cache_indirection, batch)
     validation.check_options(
         num_q_heads=num_q_heads,
         window=window,
@@ -365,8 +358,11 @@ def validate_page_table(
     reads (tokens `t < min(context_lens[b], L)`):
     - `indirection_in_range`: each names a beam of the row's request, in `[0, W)` (the
       kernels clamp others into that range: a wrong beam, read silently);
-    - `indirection_sources_hold`: the row each names holds token t (`t < its length`;
-      else its block table's entry for t is read, whatever page that is).
+    - `indirection_sources_hold`: the row each names (clamped as the kernels do) holds
+      token t (`t < its length`; else its block table's entry for t is read, whatever
+      page that is).
+    A window is not taken into account: entries below a row's window are checked,
+    though no implementation lets them change the output.
     Use `{k: bool(v.all()) for k, v in report.items()}` on the host to see what is wrong.
     """
     page_size, num_pages = cache.page_size, cache.num_pages
@@ -388,20 +384,30 @@ def validate_page_table(
     return report
 
 
+def _check_indirection(indirection, batch: int) -> None:
+    """`cache_indirection` is `[B // beam_width, beam_width, max_len]` of an integer dtype,
+    for `batch` = B rows."""
+    shape = indirection.shape
+    if len(shape) != 3 or shape[0] * shape[1] != batch or shape[2] < 1:
+        raise ValueError(
+            f"cache_indirection.shape={shape} for a batch of {batch} rows: expected "
+            "[B // beam_width, beam_width, max_len] with max_len >= 1"
+        )
+    if not np.issubdtype(indirection.dtype, np.integer):
+        raise ValueError(f"cache_indirection.dtype={indirection.dtype}: expected int")
+
+
 def _indirection_report(indirection, lens) -> dict[str, jax.Array]:
     """`validate_page_table`'s indirection checks, `[B]` each."""
+    _check_indirection(indirection, lens.shape[0])
     requests, width, ind_len = indirection.shape
-    if requests * width != lens.shape[0]:
-        raise ValueError(
-            f"validate_page_table: cache_indirection.shape={indirection.shape} for "
-            f"{lens.shape[0]} rows: expected [B // W, W, L] with B = {lens.shape[0]}"
-        )
-    src = indirection.reshape(requests * width, ind_len).astype(jnp.int32)  # [B, L]
+    ids = indirection.reshape(requests * width, ind_len)  # [B, L], in its own dtype:
+    in_range = (ids >= 0) & (ids < width)  # an int64 id is judged before any cast
+    src = jnp.clip(ids, 0, width - 1).astype(jnp.int32)  # the beam the kernels read
     t = jnp.arange(ind_len)
     read = t[None, :] < lens[:, None]  # the entries a row reads
-    in_range = (src >= 0) & (src < width)
     rows = jnp.arange(requests * width)
-    source = rows[:, None] - rows[:, None] % width + jnp.clip(src, 0, width - 1)
+    source = rows[:, None] - rows[:, None] % width + src
     holds = t[None, :] < lens[source]
     return dict(
         indirection_in_range=jnp.all(in_range | ~read, axis=1),

@@ -875,27 +875,46 @@ def test_validate_page_table_reports_each_problem():
 
 
 def test_validate_page_table_reports_bad_indirection():
-    """Two requests of W = 2 beams (rows 0-1, 2-3): a beam id out of [0, W) among the
-    tokens a row reads, and a token read from a beam too short to hold it, are flagged on
-    the reading row; the same values past the row's length (never read) are not; under
-    jit too."""
+    """Two requests of W = 2 beams (rows 0-1, 2-3): beam ids out of [0, W) among the
+    tokens a row reads, and a token read from a beam too short to hold it (a token t from
+    a beam of exactly t tokens included), are flagged on the reading row; the same values
+    past the row's length (never read) are not; a source is the beam the kernels read,
+    the id clamped into the request's beams; under jit too."""
     cache = jaxattn.PagedKVCache.create(16, 4, 1, 8, dtype=jnp.float32)
     tables = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
-    lens = jnp.array([6, 6, 5, 3], jnp.int32)
-    ind = np.zeros((2, 2, 8), np.int32)
-    ind[0, 1, 2] = 2  # row 1 reads token 2 from beam 2 of a 2-beam request
-    ind[0, 0, 7] = -1  # row 0 holds 6 tokens: entry 7 is never read
-    ind[1, 0, 4] = 1  # row 2 reads token 4 from row 3, which holds 3 tokens
-    ind[1, 1, 3:] = 5  # row 3 holds 3 tokens: entries 3.. are never read
     check = jax.jit(jaxattn.validate_page_table)
+    lens = jnp.array([6, 6, 5, 4], jnp.int32)
+    ind = np.zeros((2, 2, 8), np.int32)
+    ind[0, 0, 3] = -1  # row 0 reads token 3 from beam -1 (beam 0 as clamped)
+    ind[0, 1, 2] = 2  # row 1 reads token 2 from beam 2 (beam 1 as clamped)
+    ind[0, 0, 7] = ind[0, 1, 6] = -5  # past rows 0 and 1's 6 tokens: never read
+    ind[1, 0, 4] = 1  # row 2 reads token 4 from row 3, which holds 4 tokens
+    ind[1, 1, 4:] = 5  # row 3 holds 4 tokens: entries 4.. are never read
     report = check(cache, tables, lens, jnp.asarray(ind))
-    assert report["indirection_in_range"].tolist() == [True, False, True, True]
+    assert report["indirection_in_range"].tolist() == [False, False, True, True]
     assert report["indirection_sources_hold"].tolist() == [True, True, False, True]
-    fine = check(cache, tables, jnp.array([6, 6, 3, 3], jnp.int32), jnp.zeros((2, 2, 8), jnp.int32))
+    ind = np.zeros((2, 2, 8), np.int32)
+    ind[0, 0, 3] = 9  # clamped: beam 1, row 1 of 2 tokens (unclamped, no such row)
+    report = check(cache, tables, jnp.array([6, 2, 6, 6], jnp.int32), jnp.asarray(ind))
+    assert report["indirection_in_range"].tolist() == [False, True, True, True]
+    assert report["indirection_sources_hold"].tolist() == [False, True, True, True]
+    ind = jnp.zeros((2, 2, 8), jnp.int32)
+    fine = check(cache, tables, jnp.array([6, 6, 3, 3], jnp.int32), ind)
     assert set(fine) > {"indirection_in_range", "pages_exclusive"}
     assert all(bool(v.all()) for v in fine.values())
-    with pytest.raises(ValueError, match=r"cache_indirection\.shape"):
-        jaxattn.validate_page_table(cache, tables, lens, jnp.zeros((3, 2, 8), jnp.int32))
+    for bad in ((3, 2, 8), (4, 8), (2, 2, 0)):
+        with pytest.raises(ValueError, match=re.escape(f"cache_indirection.shape={bad}")):
+            jaxattn.validate_page_table(cache, tables, lens, jnp.zeros(bad, jnp.int32))
+    with pytest.raises(ValueError, match=r"cache_indirection\.dtype"):
+        jaxattn.validate_page_table(cache, tables, lens, ind.astype(jnp.float32))
+    jax.config.update("jax_enable_x64", True)  # an int64 id judged before any int32 cast
+    try:
+        wide = np.zeros((2, 2, 8), np.int64)
+        wide[0, 1, 2] = 2**32 + 1  # 1 once cast to int32
+        report = jaxattn.validate_page_table(cache, tables, lens, jnp.asarray(wide))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert report["indirection_in_range"].tolist() == [True, False, True, True]
 
 
 BAD = {
