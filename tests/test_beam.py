@@ -478,6 +478,22 @@ def test_indirection_on_a_quantized_cache(quant):
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
 
 
+def test_unsigned_indirection_clamps_alike():
+    """uint32 beam ids past int32's range clamp to the last beam in every implementation
+    (the kernel's int32 cast had wrapped them to negative, then to beam 0)."""
+    q, cache, tables, lens, ind, _ = _beam_problem(2, (13, 6), CAPACITY, 3)
+    wide = np.asarray(ind, np.uint32)
+    wide[0, 0, 3] = wide[1, 0, 2] = 2**31 + 5
+    last = np.asarray(ind, np.uint32)
+    last[0, 0, 3] = last[1, 0, 2] = 1
+    want = jaxattn.paged_decode(q, cache, tables, lens, implementation="xla",
+                                cache_indirection=jnp.asarray(last))  # fmt: skip
+    for impl in util.IMPLEMENTATIONS:
+        out = jaxattn.paged_decode(q, cache, tables, lens, implementation=impl,
+                                   cache_indirection=jnp.asarray(wide))  # fmt: skip
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6, err_msg=impl)
+
+
 def test_identity_indirection_changes_nothing():
     q, cache, tables, lens, ind, _ = _beam_problem(2, (13, 6), CAPACITY, 1)
     identity = jnp.broadcast_to(jnp.arange(2)[None, :, None], ind.shape)

@@ -517,7 +517,10 @@ def paged_decode(
     if alibi_slopes is not None:
         inputs.append(alibi_slopes.astype(jnp.float32))
     if cache_indirection is not None:
-        inputs.append(cache_indirection.astype(jnp.int32))
+        ind = cache_indirection
+        if jnp.issubdtype(ind.dtype, jnp.unsignedinteger):  # clamped before the int32 cast,
+            ind = jnp.minimum(ind, ind.shape[1] - 1)  # as the XLA path clamps (no wrap)
+        inputs.append(ind.astype(jnp.int32))
     if rope is not None:
         inputs += [rope.q_partner.astype(q.dtype), rope.cos, rope.sin]
     if q_rope is not None:
