@@ -189,9 +189,8 @@ def column_segments(width: int) -> tuple[tuple[int, int], ...]:
     128)."""
     runs, start = [], 0
     while start < width:
-        run = min(1 << ((width - start).bit_length() - 1), width - start)
-        if width - start < 16:
-            run = width - start  # padded to 16 for its dot
+        rest = width - start  # below 16: the last run, padded to 16 for its dot
+        run = rest if rest < 16 else 1 << (rest.bit_length() - 1)
         runs.append((start, run))
         start += run
     if sum(dot_width(w) for _, w in runs) >= dot_width(width):

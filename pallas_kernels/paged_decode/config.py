@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.cache_read import PAGES, CacheFormat, column_segments, reads_v_words
+from pallas_kernels.cache_read import PAGES, CacheFormat, reads_segments, reads_v_words
 from pallas_kernels.common import device_sm_count, next_power_of_2
 
 _DEFAULT_SM_COUNT = 132  # H100 SXM; read from the device when it says
@@ -259,7 +259,8 @@ class PagedDecodeConfig:
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
         # INT4 groups (measured padded and in segments); per tensor where read in segments
-        int4_small = group_size or (not row_scales and len(column_segments(head_dim // 2)) > 1)
+        int4_segments = reads_segments(CacheFormat("int4"), head_dim)
+        int4_small = group_size or (not row_scales and int4_segments)
         if pages and odd_dim and code == "int4" and int4_small and programs >= sm_count:
             return tiling(64, splits, 2, 3, query_rows=rows)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
