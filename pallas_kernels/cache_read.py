@@ -47,6 +47,7 @@ from pallas_kernels.codes import codes_to_bf16, int4_nibbles, words_to_values
 from pallas_kernels.common import dot_width
 
 _SEGMENTS_8BIT_GROUP_BELOW = 32  # 8-bit groups read in segments: narrower than this
+_FACTORED_SEGMENTS = 2  # factored scales read in segments: at most this many
 _ROW_AXES = ("page", "offset", "token")
 _AXES = (*_ROW_AXES, "head", "dim", "kv", "layer")
 
@@ -218,14 +219,18 @@ def reads_segments(fmt: CacheFormat, head_dim: int) -> bool:
     segments), but 8-bit codes in groups of 32 channels or more, which ran slower so
     (H100, B64 ctx16384 D96, groups of 32: INT8 1.14 against 1.07 ms, FP8 1.09 against
     0.93; probes of 2026-11-27 11:25-11:48 UTC, bench/HISTORY.md; wider groups and other
-    head dims not measured). `read_kv` and `load_scales` take `segmented` only where
-    this holds: groups that tile no segment would load misaligned scales."""
+    head dims not measured), and factored scales over more than two segments, which ran
+    slower than the one tile padded by an eighth (INT8 per tensor at D112 = 64 + 32 + 16,
+    B64 ctx16384 0.911 against 0.776 ms, B8 ctx8192 0.073 against 0.061; probe of
+    2026-11-27 13:25 UTC; INT4 at such head dims, 176 or 208, not measured). `read_kv`
+    and `load_scales` take `segmented` only where this holds: groups that tile no
+    segment would load misaligned scales."""
     part_dim = head_dim // fmt.parts
     runs = column_segments(part_dim)
     if fmt.dtype is None or len(runs) == 1:
         return False
     if fmt.factored(head_dim):
-        return True
+        return len(runs) <= _FACTORED_SEGMENTS
     if fmt.dtype != "int4" and fmt.group_size >= _SEGMENTS_8BIT_GROUP_BELOW:
         return False
     return not any(_per_element(fmt.group_size, width) for _, width in runs)
@@ -388,8 +393,6 @@ def _spread(scales, group_size: int, width: int):
     if _per_element(group_size, width):
         return scales
     block, n = scales.shape  # n >= 1 (groups of a whole part are factored: `part_scales`)
-    if n == 1:  # a segment of one group: a plain broadcast, no reshape
-        return jnp.broadcast_to(scales, (block, group_size))
     spread = jnp.broadcast_to(scales[:, :, None], (block, n, group_size))
     return spread.reshape(block, n * group_size)  # n * group_size = Pd
 

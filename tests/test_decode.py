@@ -271,11 +271,13 @@ def test_decode_heuristic_small_heads(head_dim):
 
 
 def test_decode_heuristic_heads_of_no_power_of_two():
-    """Head dims 80 and 96 over our pages: 8 query rows for every quantized format (V read
-    as codes there), INT4 per tensor and in groups with >= one program per SM in 64-token
-    blocks of 2 warps (per tensor only where its halves are read in segments: not at D120,
-    halves of 60); OpenPPL's layouts keep their rows."""
-    for head_dim in (80, 96):
+    """Head dims 80, 96, 112 and 192 over our pages: 8 query rows for every quantized format
+    (V read as codes there). With >= one program per SM, 64-token blocks of 2 warps for
+    INT4 in groups, INT4 per tensor where its halves are read in segments below D128 (not
+    at D112, halves of 56, nor D120), INT8 groups of 8 and 16 from D96 and INT8 with one
+    scale a row; with fewer, 128-token blocks of 4 warps, INT4 per tensor's rows padded
+    where they would be read in segments. OpenPPL's layouts keep their rows."""
+    for head_dim in (80, 96, 112, 192):
         heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                       head_dim=head_dim, query_group=4, v_words=False)  # fmt: skip
         for code in ("int8", "float8_e4m3fn", "int4"):
@@ -283,12 +285,17 @@ def test_decode_heuristic_heads_of_no_power_of_two():
                 kw = dict(code=code, group_size=group_size, row_scales=row_scales)
                 many, few = heuristic(64, 8, 16384, 16, **kw), heuristic(8, 8, 8192, 16, **kw)
                 assert many.query_rows == few.query_rows == 8, kw
-                if code == "int4" and not row_scales:
-                    assert (many.block_kv, many.num_warps, few.block_kv) == (64, 2, 128), kw
-                else:  # INT8 with one scale a row: 64x2x3 whenever V is read as codes
-                    int8_row = code == "int8" and row_scales
-                    want = (64, 2) if int8_row else (128, 4)
-                    assert (many.block_kv, many.num_warps) == want, kw
+                int4_tensor = code == "int4" and not group_size and not row_scales
+                int4_segments = int4_tensor and head_dim in (80, 96)
+                small = (
+                    (code == "int4" and group_size > 0)
+                    or int4_segments
+                    or (code == "int8" and group_size > 0 and head_dim >= 96)
+                    or (code == "int8" and row_scales)
+                )
+                assert (many.block_kv, many.num_warps) == ((64, 2) if small else (128, 4)), kw
+                assert (few.block_kv, few.num_warps) == (128, 4), kw
+                assert few.segments == (not int4_segments) and many.segments, kw
                 assert many.num_stages == few.num_stages == 3, kw
                 assert not (many.k_words or few.k_words or many.stacked or few.stacked), kw
         ppl = heuristic(64, 8, 16384, 16, code="int8", pages=False)
@@ -523,7 +530,7 @@ def test_column_segments():
     """Power-of-two runs, widest first, what is left below 16 the last (padded to 16 for its
     dot); one run where segments would pad as much; tiles in `read_kv`'s order (segments
     outer, INT4's halves inner); segments where the scales allow, not for float pools nor
-    8-bit groups of 32."""
+    8-bit groups of 32, nor factored scales over three segments (D112)."""
     from pallas_kernels.cache_read import CacheFormat, column_segments, dot_columns
     from pallas_kernels.common import dot_width
 
@@ -546,7 +553,9 @@ def test_column_segments():
     cases = {("int8", "tensor", 0, 96): True, ("int8", "group", 8, 80): True,
              ("int8", "group", 32, 96): False, ("int8", "group", 24, 96): False,
              ("int4", "group", 16, 96): True, ("int4", "group", 32, 96): False,
-             ("int4", "group", 48, 96): True, ("float8_e4m3fn", "group", 0, 112): True,
+             ("int4", "group", 48, 96): True, ("float8_e4m3fn", "group", 0, 112): False,
+             ("int8", "tensor", 0, 112): False, ("int8", "group", 8, 112): True,
+             ("int8", "tensor", 0, 192): True,
              (None, "tensor", 0, 96): False, ("int8", "tensor", 0, 128): False}  # fmt: skip
     for (code, granularity, group, d), want_segments in cases.items():
         fmt = CacheFormat(code, granularity, group)

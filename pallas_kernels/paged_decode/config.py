@@ -21,6 +21,10 @@ _FEW_ROWS_8BIT_GROUPS = (8, 16, 64)  # the 8-bit group sizes among them
 _STACKED_ROWS = 8  # the most stacked query rows (groups x rows) the heuristic takes
 _SHORT_DIM = 64  # quantized caches up to this head dim: one tiling (`heuristic`)
 _FOUR_ROW_GROUP = 16  # INT4 groups of 16, K read as half-words: 4 query rows on our pages
+# INT8 groups run in 64-token blocks of 2 warps at head dims of no power of two from
+# _ODD_DIM_SMALL_BLOCK_FROM (`_odd_dim_small_blocks`)
+_ODD_DIM_SMALL_BLOCK_GROUPS = (8, 16)
+_ODD_DIM_SMALL_BLOCK_FROM = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +225,23 @@ class PagedDecodeConfig:
           0.479 / 0.476) 0.443 / 0.472 against 0.514 / 0.506, INT4 groups of 8 0.725 / 0.648
           against 0.823 / 0.880, INT4 one a row 0.530 / 0.578 against 0.641 / 0.600; B8
           ctx8192 up to 1.24x faster, but INT4 per tensor at D96 (0.047 against 0.044 ms).
+          Re-swept at 80, 96, 112 and 192 (probes of 13:23-13:37 UTC, bench/HISTORY.md;
+          the heuristic's new tiling against its former one):
+          - with >= one program per SM, INT8 groups of 8 and 16 from D96 in 64-token
+            blocks of 2 warps (B64 ctx16384, groups of 8 / 16: D96 0.881 / 0.818 against
+            0.985 / 0.873 ms, D112 1.012 / 0.990 against 1.138 / 1.135, D192 1.887 / 1.684
+            against 2.024 / 1.874); not at D80 (groups of 8 0.868 against 0.829) nor for
+            FP8 (D96 groups of 8 / 16 0.974 / 0.948 against 0.887 / 0.842; D192 slower,
+            D112 faster);
+          - INT4 per tensor at D192 in 128-token blocks of 4 warps, not 64x2 (0.755
+            against 0.817 ms);
+          - with fewer programs than SMs, INT8 with one scale a row in 128-token blocks of
+            4 warps, not 64x2 (B8 ctx8192 D96 / D80 0.060 / 0.056 against 0.074 / 0.075
+            ms), and INT4 per tensor with its rows padded, not in segments (D96 0.045
+            against 0.049; D80 0.042 against 0.041).
+          INT8 with one scale a row at B64 keeps 64x2x3, though 128x4x3 ran faster at D96
+          and D112 (0.737 / 0.907 against 0.773 / 1.019 ms) and slower at D80 and D192
+          (0.753 / 1.602 against 0.723 / 1.525).
         The page size does not matter: a block gathers its rows from any pages.
         """
         del page_size  # (kept in the signature: a kernel reading whole pages would use it)
@@ -258,23 +279,24 @@ class PagedDecodeConfig:
                 return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
-        # INT4 groups (measured padded and in segments); per tensor where read in segments
-        int4_segments = reads_segments(CacheFormat("int4"), head_dim)
-        int4_small = group_size or (not row_scales and int4_segments)
-        if pages and odd_dim and code == "int4" and int4_small and programs >= sm_count:
-            return tiling(64, splits, 2, 3, query_rows=rows)
+        many = programs >= sm_count
+        if pages and odd_dim and _odd_dim_small_blocks(code, group_size, row_scales, head_dim):
+            if many:
+                return tiling(64, splits, 2, 3, query_rows=rows)
+            if code == "int4" and not group_size and not row_scales:  # INT4 per tensor: padded
+                return tiling(block_kv, splits, 4, 3, query_rows=rows, segments=False)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and pages and v_words:
             return tiling(block_kv, splits, num_warps=4, num_stages=3, query_rows=4, stacked=True)
-        if programs >= sm_count and words:
+        if many and words:
             if group_size == _SMALL_BLOCK_GROUP:
                 return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
             if (code, group_size) in _FOUR_STAGES and not row_scales:
                 return tiling(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
-        if code == "int8" and row_scales and not words:
+        if code == "int8" and row_scales and not words and many:
             return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
-            k_words = k_words and programs >= sm_count
+            k_words = k_words and many
         stages = 4 if k_words and group_size == _SMALL_BLOCK_GROUP else 3
         if k_words and group_size == _FOUR_ROW_GROUP and pages:
             rows = 4
@@ -301,6 +323,20 @@ class PagedDecodeConfig:
             v_words=reads_v_words(fmt, head_dim), pages=fmt.layout == PAGES,
             head_dim=head_dim, query_group=query_group, rope_on_read=rope_on_read,
         )  # fmt: skip
+
+
+def _odd_dim_small_blocks(code: str, group_size: int, row_scales: bool, head_dim: int) -> bool:
+    """Formats that a head dim of no power of two (over our pages, >= one program per SM)
+    runs in 64-token blocks of 2 warps (`PagedDecodeConfig.heuristic`): INT4 in groups;
+    INT4 per tensor where its halves are read in segments, below D128; INT8 groups of 8
+    and 16 from D96 (at D80 INT8 groups of 8 ran slower so, and FP8 groups of 8 and 16
+    at D96 and D192)."""
+    if code == "int4":
+        if group_size:
+            return True
+        return not row_scales and head_dim < 128 and reads_segments(CacheFormat("int4"), head_dim)
+    small_group = group_size in _ODD_DIM_SMALL_BLOCK_GROUPS
+    return code == "int8" and small_group and head_dim >= _ODD_DIM_SMALL_BLOCK_FROM
 
 
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
