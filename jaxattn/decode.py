@@ -349,7 +349,8 @@ def validate_page_table(
 ) -> dict[str, jax.Array]:
     """Data-dependent checks (jittable), each a bool per sequence `[B]` (True = fine).
 
-    - `length_in_capacity`: `0 <= context_lens[b] <= max_pages * page_size`.
+    - `length_in_capacity`: `0 <= context_lens[b] <= max_pages * page_size`, judged in
+      the lengths' own dtype (an int64 or uint32 length past int32 does not wrap).
     - `pages_in_range`: every page the sequence uses (`ceil(len / P)` entries) is in
       `[0, num_pages)`.
     - `pages_exclusive`: none of its pages is used by another sequence (beams sharing a
@@ -367,11 +368,12 @@ def validate_page_table(
     """
     page_size, num_pages = cache.page_size, cache.num_pages
     max_pages = block_tables.shape[1]
-    lens = context_lens.astype(jnp.int32)
-    capacity_ok = (lens >= 0) & (lens <= max_pages * page_size)
-    used = (
-        jnp.arange(max_pages)[None, :] < (jnp.clip(lens, 0) + page_size - 1)[:, None] // page_size
-    )
+    capacity = max_pages * page_size
+    # judged in its own dtype (an int64 or uint32 length past int32 must not wrap), then
+    # clipped: a length past capacity reads every page, a negative one none
+    capacity_ok = (context_lens >= 0) & (context_lens <= capacity)
+    lens = jnp.clip(context_lens, 0, capacity).astype(jnp.int32)
+    used = jnp.arange(max_pages)[None, :] < (lens + page_size - 1)[:, None] // page_size
     in_range = (block_tables >= 0) & (block_tables < num_pages)
     pages_ok = jnp.all(in_range | ~used, axis=1)
     ids = jnp.where(used & in_range, block_tables, num_pages)  # unused -> a sentinel bin
