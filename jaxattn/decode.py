@@ -370,10 +370,11 @@ def validate_page_table(
     max_pages = block_tables.shape[1]
     capacity = max_pages * page_size
     # judged in its own dtype (an int64 or uint32 length past int32 must not wrap), then
-    # clipped: a length past capacity reads every page, a negative one none
+    # clipped into int32: a negative length reads nothing, one past capacity every page
     capacity_ok = (context_lens >= 0) & (context_lens <= capacity)
-    lens = jnp.clip(context_lens, 0, capacity).astype(jnp.int32)
-    used = jnp.arange(max_pages)[None, :] < (lens + page_size - 1)[:, None] // page_size
+    lens = jnp.clip(context_lens, 0, np.iinfo(np.int32).max).astype(jnp.int32)
+    pages_read = (jnp.minimum(lens, capacity) + page_size - 1) // page_size
+    used = jnp.arange(max_pages)[None, :] < pages_read[:, None]
     in_range = (block_tables >= 0) & (block_tables < num_pages)
     pages_ok = jnp.all(in_range | ~used, axis=1)
     ids = jnp.where(used & in_range, block_tables, num_pages)  # unused -> a sentinel bin
