@@ -369,8 +369,11 @@ def validate_page_table(
     page_size, num_pages = cache.page_size, cache.num_pages
     max_pages = block_tables.shape[1]
     capacity = max_pages * page_size
-    # judged in its own dtype (an int64 or uint32 length past int32 must not wrap), then
-    # clipped into int32: a negative length reads nothing, one past capacity every page
+    # judged in its own dtype (an int64 or uint32 length past int32 must not wrap; narrower
+    # ones widened first, so that the bounds fit), then clipped into int32: a negative
+    # length reads nothing, one past capacity every page
+    if jnp.iinfo(context_lens.dtype).bits < 32:
+        context_lens = context_lens.astype(jnp.int32)
     capacity_ok = (context_lens >= 0) & (context_lens <= capacity)
     lens = jnp.clip(context_lens, 0, np.iinfo(np.int32).max).astype(jnp.int32)
     pages_read = (jnp.minimum(lens, capacity) + page_size - 1) // page_size

@@ -874,7 +874,8 @@ def test_contiguous_cache_is_the_same_kernel():
 
 def test_validate_page_table_reports_each_problem():
     """Each flag on its row; lengths judged in their own dtype (an int64 or uint32
-    length past int32 is past capacity, not wrapped into it)."""
+    length past int32 is past capacity, not wrapped into it), narrow ones (int8, int16,
+    uint8) alike."""
     cache = jaxattn.PagedKVCache.create(10, 4, 1, 8, dtype=jnp.float32)
     tables = jnp.array([[0, 1, 2], [3, 4, 11], [5, 5, 6]], jnp.int32)
     report = jaxattn.validate_page_table(cache, tables, jnp.array([13, 9, 6], jnp.int32))
@@ -883,6 +884,11 @@ def test_validate_page_table_reports_each_problem():
     assert report["pages_exclusive"].tolist() == [True, True, False]
     fine = jaxattn.validate_page_table(cache, tables, jnp.array([12, 8, 4], jnp.int32))
     assert all(bool(v.all()) for v in fine.values())
+    for narrow in (jnp.int8, jnp.int16, jnp.uint8):  # bounds past the dtype do not wrap
+        report = jaxattn.validate_page_table(cache, tables, jnp.array([13, 9, 6], narrow))
+        assert report["length_in_capacity"].tolist() == [False, True, True], narrow
+        assert report["pages_in_range"].tolist() == [True, False, True], narrow
+        assert report["pages_exclusive"].tolist() == [True, True, False], narrow
     report = jaxattn.validate_page_table(cache, tables, jnp.array([2**31 + 4, 1, 1], jnp.uint32))
     assert report["length_in_capacity"].tolist() == [False, True, True]
     assert report["pages_in_range"].tolist() == [True, True, True]
