@@ -281,7 +281,8 @@ def test_decode_heuristic_heads_of_no_power_of_two():
         heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
                                       head_dim=head_dim, query_group=4, v_words=False)  # fmt: skip
         for code in ("int8", "float8_e4m3fn", "int4"):
-            for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False)):
+            for group_size, row_scales in ((0, False), (0, True), (8, False), (16, False),
+                                           (32, False)):  # fmt: skip
                 kw = dict(code=code, group_size=group_size, row_scales=row_scales)
                 many, few = heuristic(64, 8, 16384, 16, **kw), heuristic(8, 8, 8192, 16, **kw)
                 assert many.query_rows == few.query_rows == 8, kw
@@ -290,7 +291,7 @@ def test_decode_heuristic_heads_of_no_power_of_two():
                 small = (
                     (code == "int4" and group_size > 0)
                     or int4_segments
-                    or (code == "int8" and group_size > 0 and head_dim >= 96)
+                    or (code == "int8" and group_size in (8, 16) and head_dim >= 96)
                     or (code == "int8" and row_scales)
                 )
                 assert (many.block_kv, many.num_warps) == ((64, 2) if small else (128, 4)), kw
@@ -302,6 +303,8 @@ def test_decode_heuristic_heads_of_no_power_of_two():
         assert ppl.query_rows == 16
         ppl = heuristic(64, 8, 16384, 16, code="int4", group_size=16, pages=False)
         assert (ppl.block_kv, ppl.num_warps) == (128, 4)
+        ppl = heuristic(8, 8, 8192, 16, code="int8", row_scales=True, pages=False)
+        assert (ppl.block_kv, ppl.num_warps) == (64, 2)  # measured over our pages only
     d120 = jaxattn.PagedDecodeConfig.heuristic(64, 8, 16384, 16, sm_count=132, code="int4",
                                                 head_dim=120, v_words=False)  # fmt: skip
     assert (d120.block_kv, d120.num_warps) == (128, 4)

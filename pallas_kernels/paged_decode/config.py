@@ -167,7 +167,8 @@ class PagedDecodeConfig:
           a power of two >= 16, and scales that a word's codes share). Where it cannot,
           INT8 with one scale a row keeps 64-token blocks in 2 warps, 9-13% faster with
           V read as codes (B64 ctx16384 0.965 against 1.109 ms; probes of 2026-11-26 03:55
-          and 04:25 UTC).
+          and 04:25 UTC); at head dims of no power of two over our pages only with >= one
+          program per SM (fewer: 128x4x3, below).
           Splits: as many as run two to an SM in one wave (two 128-token programs
           of 3 stages fit an SM), not one more: B8 ctx8192 (64 programs) in 4 splits
           against 5: INT8 per tensor 0.063 against 0.070 ms, groups of 8 0.088 against
@@ -240,7 +241,7 @@ class PagedDecodeConfig:
             ms), and INT4 per tensor with its rows padded, not in segments (D96 0.045
             against 0.049; D80 0.042 against 0.041).
           INT8 with one scale a row at B64 keeps 64x2x3, though 128x4x3 ran faster at D96
-          and D112 (0.737 / 0.907 against 0.773 / 1.019 ms) and slower at D80 and D192
+          and D112 (0.737 / 0.906 against 0.773 / 1.012 ms) and slower at D80 and D192
           (0.753 / 1.602 against 0.723 / 1.525).
         The page size does not matter: a block gathers its rows from any pages.
         """
@@ -293,7 +294,7 @@ class PagedDecodeConfig:
                 return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
             if (code, group_size) in _FOUR_STAGES and not row_scales:
                 return tiling(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
-        if code == "int8" and row_scales and not words and many:
+        if code == "int8" and row_scales and not words and (many or not (pages and odd_dim)):
             return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and many
@@ -326,11 +327,12 @@ class PagedDecodeConfig:
 
 
 def _odd_dim_small_blocks(code: str, group_size: int, row_scales: bool, head_dim: int) -> bool:
-    """Formats that a head dim of no power of two (over our pages, >= one program per SM)
-    runs in 64-token blocks of 2 warps (`PagedDecodeConfig.heuristic`): INT4 in groups;
-    INT4 per tensor where its halves are read in segments, below D128; INT8 groups of 8
-    and 16 from D96 (at D80 INT8 groups of 8 ran slower so, and FP8 groups of 8 and 16
-    at D96 and D192)."""
+    """Formats that a head dim of no power of two (over our pages) runs in 64-token blocks
+    of 2 warps with >= one program per SM (`PagedDecodeConfig.heuristic`): INT4 in
+    groups; INT4 per tensor where its halves are read in segments, below D128 (with fewer
+    programs, the heuristic reads those rows padded instead); INT8 groups of 8 and 16
+    from D96 (at D80 INT8 groups of 8 ran slower so, and FP8 groups of 8 and 16 at D96
+    and D192)."""
     if code == "int4":
         if group_size:
             return True
