@@ -331,14 +331,17 @@ def _odd_dim_small_blocks(code: str, group_size: int, row_scales: bool, head_dim
     of 2 warps with >= one program per SM (`PagedDecodeConfig.heuristic`): INT4 in
     groups; INT4 per tensor where its halves are read in segments, below D128 (with fewer
     programs, the heuristic reads those rows padded instead); INT8 groups of 8 and 16
-    from D96 (at D80 INT8 groups of 8 ran slower so, and FP8 groups of 8 and 16 at D96
-    and D192)."""
+    from D96 where read in segments (measured at 96, 112 and 192; not at D120, one
+    padded tile; at D80 INT8 groups of 8 ran slower so, and FP8 groups of 8 and 16 at
+    D96 and D192)."""
     if code == "int4":
         if group_size:
             return True
         return not row_scales and head_dim < 128 and reads_segments(CacheFormat("int4"), head_dim)
-    small_group = group_size in _ODD_DIM_SMALL_BLOCK_GROUPS
-    return code == "int8" and small_group and head_dim >= _ODD_DIM_SMALL_BLOCK_FROM
+    if code != "int8" or group_size not in _ODD_DIM_SMALL_BLOCK_GROUPS:
+        return False
+    segments = reads_segments(CacheFormat(code, "group", group_size), head_dim)
+    return segments and head_dim >= _ODD_DIM_SMALL_BLOCK_FROM
 
 
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
