@@ -273,9 +273,9 @@ def test_decode_heuristic_small_heads(head_dim):
 def test_decode_heuristic_heads_of_no_power_of_two():
     """Head dims 80, 96, 112 and 192 over our pages: 8 query rows for every quantized format
     (V read as codes there). With >= one program per SM, 64-token blocks of 2 warps for
-    INT4 in groups, INT4 per tensor where its halves are read in segments below D128 (not
-    at D112, halves of 56, nor D120), INT8 groups of 8 and 16 from D96 where read in
-    segments (not D120) and INT8 with one scale a row; with fewer, 128-token blocks of 4
+    INT4 in groups, INT4 per tensor where its halves are read in segments below D192 (not
+    at D112, halves of 56, nor D120), INT8 groups of 8 and 16 from D96 and INT8 with one
+    scale a row; with fewer, 128-token blocks of 4
     warps, INT4 per tensor's rows padded where they would be read in segments. OpenPPL's
     layouts keep their rows."""
     for head_dim in (80, 96, 112, 192):
@@ -306,11 +306,14 @@ def test_decode_heuristic_heads_of_no_power_of_two():
         assert (ppl.block_kv, ppl.num_warps) == (128, 4)
         ppl = heuristic(8, 8, 8192, 16, code="int8", row_scales=True, pages=False)
         assert (ppl.block_kv, ppl.num_warps) == (64, 2)  # measured over our pages only
-    for code, group_size in (("int4", 0), ("int8", 8)):  # D120: one padded tile
+    for code, group_size, want in (("int4", 0, 128), ("int8", 8, 64)):  # D120: one tile
         d120 = jaxattn.PagedDecodeConfig.heuristic(64, 8, 16384, 16, sm_count=132, code=code,
                                                     group_size=group_size, head_dim=120,
                                                     v_words=False)  # fmt: skip
-        assert (d120.block_kv, d120.num_warps) == (128, 4), code
+        assert d120.block_kv == want, code
+    d160 = jaxattn.PagedDecodeConfig.heuristic(64, 8, 16384, 16, sm_count=132, code="int4",
+                                                head_dim=160, v_words=False)  # fmt: skip
+    assert (d160.block_kv, d160.num_warps) == (64, 2)  # halves of 80 = 64 + 16
 
 
 def test_decode_heuristic_int4_keys_as_words():

@@ -25,6 +25,7 @@ _FOUR_ROW_GROUP = 16  # INT4 groups of 16, K read as half-words: 4 query rows on
 # _ODD_DIM_SMALL_BLOCK_FROM (`_odd_dim_small_blocks`)
 _ODD_DIM_SMALL_BLOCK_GROUPS = (8, 16)
 _ODD_DIM_SMALL_BLOCK_FROM = 96
+_ODD_DIM_INT4_SMALL_BLOCK_BELOW = 192  # INT4 per tensor runs them so below this head dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +236,9 @@ class PagedDecodeConfig:
             FP8 (D96 groups of 8 / 16 0.974 / 0.948 against 0.887 / 0.842; D192 slower,
             D112 faster);
           - INT4 per tensor at D192 in 128-token blocks of 4 warps, not 64x2 (0.755
-            against 0.817 ms);
+            against 0.817 ms; at D160 64x2x3 stays, 0.776 against 0.804, probe of 14:16
+            UTC, which also ran INT8 groups of 8 at D120 / D160 in 64x2x3 1.226 / 1.504
+            against 1.325 / 1.574 in 128x4x3);
           - with fewer programs than SMs, INT8 with one scale a row in 128-token blocks of
             4 warps, not 64x2 (B8 ctx8192 D96 / D80 0.060 / 0.056 against 0.074 / 0.075
             ms), and INT4 per tensor with its rows padded, not in segments (D96 0.045
@@ -329,19 +332,17 @@ class PagedDecodeConfig:
 def _odd_dim_small_blocks(code: str, group_size: int, row_scales: bool, head_dim: int) -> bool:
     """Formats that a head dim of no power of two (over our pages) runs in 64-token blocks
     of 2 warps with >= one program per SM (`PagedDecodeConfig.heuristic`): INT4 in
-    groups; INT4 per tensor where its halves are read in segments, below D128 (with fewer
-    programs, the heuristic reads those rows padded instead); INT8 groups of 8 and 16
-    from D96 where read in segments (measured at 96, 112 and 192; not at D120, one
-    padded tile; at D80 INT8 groups of 8 ran slower so, and FP8 groups of 8 and 16 at
-    D96 and D192)."""
+    groups; INT4 per tensor where its halves are read in segments, below D192 (faster so
+    at 80, 96 and 160, slower at 192; with fewer programs, the heuristic reads those
+    rows padded instead); INT8 groups of 8 and 16 from D96 (groups of 8 faster so at 96,
+    112, 120, 160 and 192; at D80 slower, as FP8 groups of 8 and 16 at D96 and D192)."""
     if code == "int4":
         if group_size:
             return True
-        return not row_scales and head_dim < 128 and reads_segments(CacheFormat("int4"), head_dim)
-    if code != "int8" or group_size not in _ODD_DIM_SMALL_BLOCK_GROUPS:
-        return False
-    segments = reads_segments(CacheFormat(code, "group", group_size), head_dim)
-    return segments and head_dim >= _ODD_DIM_SMALL_BLOCK_FROM
+        segments = reads_segments(CacheFormat("int4"), head_dim)
+        return not row_scales and segments and head_dim < _ODD_DIM_INT4_SMALL_BLOCK_BELOW
+    small_group = group_size in _ODD_DIM_SMALL_BLOCK_GROUPS
+    return code == "int8" and small_group and head_dim >= _ODD_DIM_SMALL_BLOCK_FROM
 
 
 def few_rows(code: str | None, group_size: int, row_scales: bool) -> bool:
