@@ -314,6 +314,9 @@ def test_decode_heuristic_heads_of_no_power_of_two():
     d160 = jaxattn.PagedDecodeConfig.heuristic(64, 8, 16384, 16, sm_count=132, code="int4",
                                                 head_dim=160, v_words=False)  # fmt: skip
     assert (d160.block_kv, d160.num_warps) == (64, 2)  # halves of 80 = 64 + 16
+    d160 = jaxattn.PagedDecodeConfig.heuristic(8, 8, 8192, 16, sm_count=132, code="int4",
+                                                head_dim=160, v_words=False)  # fmt: skip
+    assert d160.segments  # fewer programs: padded only where measured (D80, D96)
 
 
 def test_decode_heuristic_int4_keys_as_words():

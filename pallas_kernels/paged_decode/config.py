@@ -287,7 +287,7 @@ class PagedDecodeConfig:
         if pages and odd_dim and _odd_dim_small_blocks(code, group_size, row_scales, head_dim):
             if many:
                 return tiling(64, splits, 2, 3, query_rows=rows)
-            if code == "int4" and not group_size and not row_scales:  # INT4 per tensor: padded
+            if code == "int4" and not group_size and head_dim < 128:  # per tensor: padded
                 return tiling(block_kv, splits, 4, 3, query_rows=rows, segments=False)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and pages and v_words:
@@ -334,8 +334,9 @@ def _odd_dim_small_blocks(code: str, group_size: int, row_scales: bool, head_dim
     of 2 warps with >= one program per SM (`PagedDecodeConfig.heuristic`): INT4 in
     groups; INT4 per tensor where its halves are read in segments, below D192 (faster so
     at 80, 96 and 160, slower at 192; with fewer programs, the heuristic reads those
-    rows padded instead); INT8 groups of 8 and 16 from D96 (groups of 8 faster so at 96,
-    112, 120, 160 and 192; at D80 slower, as FP8 groups of 8 and 16 at D96 and D192)."""
+    rows padded instead, where measured: at 80 and 96); INT8 groups of 8 and 16 from
+    D96 (groups of 8 faster so at 96, 112, 120, 160 and 192; at D80 slower, as FP8
+    groups of 8 and 16 at D96 and D192)."""
     if code == "int4":
         if group_size:
             return True
