@@ -26,6 +26,7 @@ _FOUR_ROW_GROUP = 16  # INT4 groups of 16, K read as half-words: 4 query rows on
 _ODD_DIM_SMALL_BLOCK_GROUPS = (8, 16)
 _ODD_DIM_SMALL_BLOCK_FROM = 96
 _ODD_DIM_INT4_SMALL_BLOCK_BELOW = 192  # INT4 per tensor runs them so below this head dim
+_ODD_DIM_INT4_PADDED_BELOW = 128  # and, with fewer programs than SMs, reads padded below this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +258,8 @@ class PagedDecodeConfig:
 
         sm_count = sm_count or device_sm_count(_DEFAULT_SM_COUNT)
         programs = max(1, batch * num_kv_heads)  # (an empty batch still gets a tiling)
-        if programs >= sm_count and code is None:
+        many = programs >= sm_count  # at least one program per SM
+        if many and code is None:
             if max_context >= _LONG_CONTEXT:
                 splits = min(_LONG_PROGRAMS_PER_SM * sm_count // programs, max_context // 1024)
                 if splits > 1:
@@ -266,7 +268,7 @@ class PagedDecodeConfig:
             return tiling(block_kv=64, num_splits=splits, num_warps=4, num_stages=3)
         block_kv = 128
         splits = -(-2 * sm_count // programs)  # about two programs an SM
-        if code == "int4" and group_size == 0 and v_words and programs < sm_count:
+        if code == "int4" and group_size == 0 and v_words and not many:
             # per tensor or one scale a row, V read as half-words: about four programs an SM
             splits = max(_INT4_ROW_PROGRAMS_PER_SM * sm_count // programs, 2)
         elif code is not None:  # at least two; without row scales, one wave unless two exceed it
@@ -276,18 +278,18 @@ class PagedDecodeConfig:
             return tiling(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
         words = v_words and code in ("int8", "float8_e4m3fn")
         k_words = code == "int4" and v_words and not rope_on_read
-        odd_dim = head_dim & (head_dim - 1)  # no power of two (80, 96, ...): V read as codes
-        rows = _FEW_ROWS if pages and (few_rows(code, group_size, row_scales) or odd_dim) else 16
+        # over our pages, a head dim of no power of two (80, 96, ...): V read as codes
+        odd_pages = pages and head_dim & (head_dim - 1) != 0
+        rows = _FEW_ROWS if odd_pages or (pages and few_rows(code, group_size, row_scales)) else 16
         if 0 < head_dim <= _SHORT_DIM:  # every format and layout alike
-            if programs >= sm_count:
+            if many:
                 return tiling(64, splits, 2, 3, query_rows=_FEW_ROWS, k_words=k_words)
             rows = 4 if group_size else _FEW_ROWS
             return tiling(block_kv, splits, 4, 3, query_rows=rows, k_words=k_words)
-        many = programs >= sm_count
-        if pages and odd_dim and _odd_dim_small_blocks(code, group_size, row_scales, head_dim):
+        if odd_pages and _odd_dim_small_blocks(code, group_size, row_scales, head_dim):
             if many:
                 return tiling(64, splits, 2, 3, query_rows=rows)
-            if code == "int4" and not group_size and head_dim < 128:  # per tensor: padded
+            if code == "int4" and not group_size and head_dim < _ODD_DIM_INT4_PADDED_BELOW:
                 return tiling(block_kv, splits, 4, 3, query_rows=rows, segments=False)
         stack = stacked_groups(code, group_size, head_dim, query_group) and not rope_on_read
         if stack and pages and v_words:
@@ -297,7 +299,7 @@ class PagedDecodeConfig:
                 return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
             if (code, group_size) in _FOUR_STAGES and not row_scales:
                 return tiling(block_kv, splits, num_warps=4, num_stages=4, query_rows=rows)
-        if code == "int8" and row_scales and not words and (many or not (pages and odd_dim)):
+        if code == "int8" and row_scales and not words and (many or not odd_pages):
             return tiling(64, splits, num_warps=2, num_stages=3, query_rows=rows)
         if group_size == _SMALL_BLOCK_GROUP:  # groups of 8: with >= one program an SM
             k_words = k_words and many
