@@ -275,8 +275,8 @@ def test_decode_heuristic_heads_of_no_power_of_two():
     (V read as codes there). With >= one program per SM, 64-token blocks of 2 warps for
     INT4 in groups, INT4 per tensor where its halves are read in segments below D192 (not
     at D112, halves of 56, nor D120), INT8 groups of 8 and 16 from D96 and INT8 with one
-    scale a row; with fewer, 128-token blocks of 4
-    warps, INT4 per tensor's rows padded where they would be read in segments. OpenPPL's
+    scale a row; with fewer, 128-token blocks of 4 warps, INT4 per tensor's rows padded
+    where they would be read in segments below D128 (D80, D96; not D160). OpenPPL's
     layouts keep their rows."""
     for head_dim in (80, 96, 112, 192):
         heuristic = functools.partial(jaxattn.PagedDecodeConfig.heuristic, sm_count=132,
