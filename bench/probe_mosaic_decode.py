@@ -27,10 +27,16 @@ Each block is one warpgroup streaming its slice of `[N, D]` int4 K and V through
 - `kv`: the whole step (V through the WGMMA register layout to shared memory);
 - `kvw`: `kv` with V stored straight from the load's layout (8 values a thread, one
   128-bit store) instead;
+- `kr`: `k` with no relayout: the converted codes' registers read as the WGMMA layout
+  as they lie (`as_wgmma`), which permutes K's channels; q comes permuted alike;
 - `kvt`: V given transposed (`[D, N]`, tokens along the packed axis, as a cache could
   store its V pages): V^T's codes go to registers as K's do and are the P V GEMM's A
-  operand, with no bf16 copy in shared memory.
-`kv`, `kvw` and `kvt` are checked against a float32 reference (error from P rounded to bf16).
+  operand, with no bf16 copy in shared memory;
+- `kvtr`: `kvt` with K read as in `kr`;
+- `kvtr2`: `kvtr` in steps of 128 keys (two 64-key tiles of K and of V^T, each its own
+  TMA copy; one max, one rescale and one wait for the P V GEMMs a step).
+`kv`, `kvw` and the `kvt` modes are checked against a float32 reference (error from P
+rounded to bf16).
 Bytes: K and V codes read, in every mode (the pipeline loads both). One line per variant,
 also appended to `$OUT/probe.txt` (medians of 9 interleaved rounds of
 `bench.common.op_measure`):
@@ -48,8 +54,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.common import interleave, op_measure
@@ -57,22 +66,52 @@ from bench.common import interleave, op_measure
 ROWS = 8  # query rows: wgmma's smallest N (GQA 32/8 has 4 a kv head)
 D = 128
 BLOCK = 64  # keys a step: wgmma's M
-MODES = ("stream", "k", "kvv", "kv", "kvw", "kvt")
+MODES = ("stream", "k", "kr", "kvv", "kv", "kvw", "kvt", "kvtr", "kvtr2")
 TOKENS = 64 * 8 * 16384  # B64 x 8 kv heads x ctx16384: 1 GiB of INT4 K and V
 CONFIGS = ((264, 4), (396, 3), (528, 3))  # (blocks: 2-4 an SM, pipeline stages)
 
 
+def regrouped_channels() -> np.ndarray:
+    """sigma: `K[:, sigma]` is what `as_wgmma` makes of K's tile (a permutation within
+    each 32 channels: 32c + 8x + 2y + e <-> 32c + 8y + 2x + e, e < 2)."""
+    j = np.arange(D)
+    c, x, y, e = j // 32, j % 32 // 8, j % 8 // 2, j % 2
+    return 32 * c + 8 * y + 2 * x + e
+
+
+@plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+    return_type=plgpu.ShapeDtypeStruct((BLOCK, D), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+)
+def as_wgmma(ctx, x):
+    """A `[64, 128]` bf16 array in `WGMMA_LAYOUT_UPCAST_4X` read as the WGMMA layout, no data
+    moved: a thread's 8 consecutive columns of a 32-column tile become its 2-column pairs of
+    that tile's four 8-column tiles. Rows stay; columns are permuted (`regrouped_channels`)."""
+    del ctx
+    regs = x.registers  # [1, 4 tiles of 32 columns, 1, 1, 2 row halves, 1, 1, 1, 1]
+    out = np.empty(fa.WGMMA_LAYOUT.registers_shape(x.shape), dtype=object)
+    for idx, reg in np.ndenumerate(regs):
+        for i in range(4):
+            at = (idx[0], idx[1] * 4 + i, *idx[2:])
+            out[at] = mgpu_utils.vector_slice(reg, slice(2 * i, 2 * i + 2))
+    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
 def stream_kernel(n_tokens: int, blocks: int, stages: int, mode: str):
-    """The probe kernel: q `[ROWS, D]` bf16, k and v `[n_tokens, D]` int4 -> O^T
-    `[blocks, D, ROWS]` float32, each block's attention over its `n_tokens // blocks`
-    keys (zeros in modes without the P V GEMM)."""
-    steps = n_tokens // BLOCK // blocks
+    """The probe kernel: q `[ROWS, D]` bf16, k `[n_tokens, D]` int4 and v (`[n_tokens, D]`
+    int4, or V^T `[D, n_tokens]` in modes `kvt*`) -> O^T `[blocks, D, ROWS]` float32, each
+    block's attention over its `n_tokens // blocks` keys (zeros in modes without the P V
+    GEMM)."""
+    subs = 2 if mode == "kvtr2" else 1  # 64-key tiles a step (each its own TMA copy)
+    steps = n_tokens // BLOCK // subs // blocks
     int4_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(64))  # 64-byte rows
+    vt_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(32))  # 32-byte rows
     bf16_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     wgmma, rows_of = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
-    vt_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(32))  # 32-byte rows
-    transposed_v = mode == "kvt"  # v is V^T `[D, n_tokens]`: loads as K does
-    has_v, has_pv = mode in ("kvv", "kv", "kvw", "kvt"), mode in ("kv", "kvw", "kvt")
+    transposed_v = mode.startswith("kvt")  # v is V^T: its codes load as K's do
+    regrouped = mode in ("kr", "kvtr", "kvtr2")  # K read by `as_wgmma`: q comes as q[:, sigma]
+    has_v = mode.startswith("kv")
+    has_pv = has_v and mode != "kvv"
 
     def kernel(q_ref, k_ref, v_ref, out_ref, q_smem, v_bf16, p_smem, o_smem, q_loaded):
         block = lax.axis_index("x")
@@ -82,57 +121,76 @@ def stream_kernel(n_tokens: int, blocks: int, stages: int, mode: str):
         m = plgpu.layout_cast(jnp.full((ROWS,), -1e30, jnp.float32), rows_of)
         l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_of)
 
-        def step(_, k_smem, v_smem, carry):
+        def registers(tile_smem, regroup: bool):
+            codes = plgpu.load(tile_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            if regroup:  # no relayout (`as_wgmma`)
+                return as_wgmma(codes.astype(jnp.bfloat16))
+            return plgpu.layout_cast(codes, wgmma).astype(jnp.bfloat16)  # int4 relayout first
+
+        def step(_, *refs):
+            *tiles, carry = refs
             if mode == "stream":
                 return carry
             acc, m, l = carry
-            codes = plgpu.load(k_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-            k = plgpu.layout_cast(codes, wgmma).astype(jnp.bfloat16)  # int4 relayout first
+            k_tiles, v_tiles = tiles[:subs], tiles[subs:]
 
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, k, plgpu.transpose_ref(q_smem, (1, 0)))
-                return s_ref[...]
+            def qk(k_smem):
+                def gemm(s_ref):
+                    plgpu.wgmma(s_ref, registers(k_smem, regrouped), q_smem.T)
+                    return s_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK, ROWS), jnp.float32))
-            m_new = jnp.maximum(m, s.max(axis=0))
+                return pl.run_scoped(gemm, plgpu.ACC((BLOCK, ROWS), jnp.float32))
+
+            s = [qk(k_smem) for k_smem in k_tiles]  # S^T of each 64-key tile
+            m_new = m
+            for part in s:
+                m_new = jnp.maximum(m_new, part.max(axis=0))
             if not has_v:
                 return acc, m_new, l
-            codes = plgpu.load(v_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
             if transposed_v:  # V^T [D, 64 keys]: wgmma's A from registers
-                v_t = plgpu.layout_cast(codes, wgmma).astype(jnp.bfloat16)
-            elif mode == "kvw":
-                v_bf16[...] = codes.astype(jnp.bfloat16)
+                v_t = [registers(v_smem, False) for v_smem in v_tiles]
             else:
-                v_bf16[...] = plgpu.layout_cast(codes, wgmma).astype(jnp.bfloat16)
+                codes = plgpu.load(v_tiles[0], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                if mode != "kvw":
+                    codes = plgpu.layout_cast(codes, wgmma)
+                v_bf16[...] = codes.astype(jnp.bfloat16)
+                v_t = [v_bf16.T]
             if not has_pv:
                 plgpu.commit_smem()
                 return acc, m_new, l
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
             alpha = jnp.exp2(m - m_new)
-            l = l * alpha + p.sum(axis=0)
-            p_t = plgpu.layout_cast(p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.transpose_ref(p_smem, (1, 0))[...] = p_t
+            for i, part in enumerate(s):
+                p = jnp.exp2(part - lax.broadcast_in_dim(m_new, part.shape, [1]))
+                l = l * alpha + p.sum(axis=0) if i == 0 else l + p.sum(axis=0)
+                p_t = plgpu.layout_cast(p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+                p_smem.at[i].T[...] = p_t
             plgpu.commit_smem()
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
 
             def pv(acc_ref):
-                p_t = plgpu.transpose_ref(p_smem, (1, 0))
-                a = v_t if transposed_v else plgpu.transpose_ref(v_bf16, (1, 0))
-                plgpu.wgmma(acc_ref, a, p_t)
+                for i, a in enumerate(v_t):
+                    plgpu.wgmma(acc_ref, a, p_smem.at[i].T)
 
             return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l
 
-        tiles = plgpu.BlockSpec((BLOCK, D), lambda i: (block * steps + i, 0), transforms=int4_tiles)
-        v_tiles = tiles
-        if transposed_v:
-            v_tiles = plgpu.BlockSpec(
-                (D, BLOCK), lambda i: (0, block * steps + i), transforms=vt_tiles
-            )
+        def tile(i, sub):
+            return block * steps * subs + i * subs + sub  # the 64-key tile of step i
+
+        k_specs = [
+            plgpu.BlockSpec((BLOCK, D), lambda i, j=j: (tile(i, j), 0), transforms=int4_tiles)
+            for j in range(subs)
+        ]
+        v_specs = [
+            plgpu.BlockSpec((D, BLOCK), lambda i, j=j: (0, tile(i, j)), transforms=vt_tiles)
+            if transposed_v
+            else plgpu.BlockSpec((BLOCK, D), lambda i, j=j: (tile(i, j), 0), transforms=int4_tiles)
+            for j in range(subs)
+        ]
         pipeline = plgpu.emit_pipeline(
-            step, grid=(steps,), in_specs=[tiles, v_tiles], max_concurrent_steps=stages,
+            step, grid=(steps,), in_specs=[*k_specs, *v_specs], max_concurrent_steps=stages,
             init_carry=(acc, m, l),
         )  # fmt: skip
-        acc, m, l = pipeline(k_ref, v_ref)
+        acc, m, l = pipeline(*[k_ref] * subs, *[v_ref] * subs)
         if has_pv:
             acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [1])
         elif mode != "stream":  # keep the max live
@@ -154,7 +212,7 @@ def stream_kernel(n_tokens: int, blocks: int, stages: int, mode: str):
                 jnp.bfloat16,
                 transforms=bf16_tiles,
             ),
-            plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16, transforms=bf16_tiles),
+            plgpu.SMEM((subs, ROWS, BLOCK), jnp.bfloat16, transforms=bf16_tiles),
             plgpu.SMEM((D, ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=1),
         ),
@@ -182,25 +240,33 @@ def inputs(n_tokens: int):
     return q, codes(kk).astype(jnp.int4), v.astype(jnp.int4), v.T.astype(jnp.int4)
 
 
+def arguments(mode: str, q, k, v, vt) -> tuple:
+    """The kernel's arguments in `mode`: q's channels permuted where K is regrouped, V^T
+    where V is given transposed."""
+    if mode in ("kr", "kvtr", "kvtr2"):
+        q = q[:, regrouped_channels()]
+    return q, k, vt if mode.startswith("kvt") else v
+
+
 def main(lower_only: bool, modes=MODES, configs=CONFIGS) -> None:
     out_dir = os.environ.get("OUT", ".")
     if lower_only:
         q, k, v, vt = inputs(BLOCK * 132 * 2)
         for mode in MODES:
             fn = jax.jit(stream_kernel(k.shape[0], 132, 2, mode))
-            args = (q, k, vt if mode == "kvt" else v)
+            args = arguments(mode, q, k, v, vt)
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             print(mode, "lowers:", "mosaic_gpu" in text)
         return
     q, k, v, vt = inputs(TOKENS)
     small = BLOCK * 132 * 8
-    args = {mode: (q, k, vt if mode == "kvt" else v) for mode in MODES}
+    args = {mode: arguments(mode, q, k, v, vt) for mode in MODES}
     with open(os.path.join(out_dir, "probe.txt"), "a") as log:
         header = f"== {time.strftime('%H:%M', time.gmtime())} UTC {jax.devices()[0].device_kind}"
         print(header, f"jax {jax.__version__}", file=log, flush=True)
-        for mode in ("kv", "kvw", "kvt"):
-            v_small = vt[:, :small] if mode == "kvt" else v[:small]
-            got = jax.jit(stream_kernel(small, 132, 2, mode))(q, k[:small], v_small)
+        for mode in ("kv", "kvw", "kvt", "kvtr", "kvtr2"):
+            fn = jax.jit(stream_kernel(small, 132, 2, mode))
+            got = fn(*arguments(mode, q, k[:small], v[:small], vt[:, :small]))
             err = float(jnp.max(jnp.abs(got - reference(q, k[:small], v[:small], 132))))
             line = f"{mode}: max abs error against the float32 reference {err:.2e}"
             print(line, flush=True)
