@@ -97,12 +97,17 @@ def as_wgmma(ctx, x):
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
+def tiles_a_step(mode: str) -> int:
+    """64-key tiles a step of `mode` (each its own TMA copy)."""
+    return 2 if mode == "kvtr2" else 1
+
+
 def stream_kernel(n_tokens: int, blocks: int, stages: int, mode: str):
     """The probe kernel: q `[ROWS, D]` bf16, k `[n_tokens, D]` int4 and v (`[n_tokens, D]`
     int4, or V^T `[D, n_tokens]` in modes `kvt*`) -> O^T `[blocks, D, ROWS]` float32, each
-    block's attention over its `n_tokens // blocks` keys (zeros in modes without the P V
-    GEMM)."""
-    subs = 2 if mode == "kvtr2" else 1  # 64-key tiles a step (each its own TMA copy)
+    block's attention over its `n_tokens // blocks` keys rounded down to whole steps (in
+    modes without the P V GEMM: the running max over keys, or zeros in `stream`)."""
+    subs = tiles_a_step(mode)
     steps = n_tokens // BLOCK // subs // blocks
     int4_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(64))  # 64-byte rows
     vt_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(32))  # 32-byte rows
@@ -232,7 +237,7 @@ def reference(q, k, v, blocks: int):
 
 def inputs(n_tokens: int):
     """q `[ROWS, D]` bf16; K and V codes `[n_tokens, D]` int4; and V^T `[D, n_tokens]`
-    (mode `kvt`)."""
+    (the `kvt` modes)."""
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = (jax.random.normal(kq, (ROWS, D), jnp.float32) * 0.05).astype(jnp.bfloat16)
     codes = lambda key: jax.random.randint(key, (n_tokens, D), -8, 8, jnp.int8)  # noqa: E731
@@ -277,9 +282,10 @@ def main(lower_only: bool, modes=MODES, configs=CONFIGS) -> None:
                 op_measure(fn, [args[m]], warmup=2) for fn, m in zip(fns, modes, strict=True)
             ]
             timings = interleave(measures, reps=9)
-            nbytes = blocks * (TOKENS // BLOCK // blocks) * BLOCK * D  # K and V, half a byte each
             for mode, timing in zip(modes, timings, strict=True):
                 t = timing.median_s
+                subs = tiles_a_step(mode)  # the keys read: whole steps; K and V, half a byte each
+                nbytes = blocks * (TOKENS // BLOCK // subs // blocks) * subs * BLOCK * D
                 line = (f"blocks {blocks} stages {stages} {mode}: {t * 1e3:.3f} ms, "
                         f"{nbytes / t / 1e12:.2f} TB/s of {nbytes / 2**30:.2f} GiB")  # fmt: skip
                 print(line, flush=True)
