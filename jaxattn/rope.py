@@ -47,8 +47,10 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def _check_factor(obj) -> None:
-    name = type(obj).__name__
-    _require(obj.factor >= 1.0, f"{name}: factor={obj.factor} must be >= 1")
+    name, factor = type(obj).__name__, obj.factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: factor={factor!r} must be a real number >= 1")
+    _require(1.0 <= factor < math.inf, f"{name}: factor={factor} must be finite and >= 1")
 
 
 def _check_positive_int(obj, field: str) -> None:
@@ -307,6 +309,18 @@ class RoPE:
         )
 
 
+def _check_seq_len(fn: str, seq_len, rope: RoPE, shape: tuple) -> None:
+    """DynamicNTKScaling's `seq_len` broadcasts into `shape` (the tokens' dims) without
+    growing it: the tables it gives must not outgrow the tokens they rotate."""
+    if seq_len is None or not isinstance(rope.scaling, DynamicNTKScaling):
+        return
+    try:
+        ok = np.broadcast_shapes(jnp.shape(seq_len), shape) == shape
+    except ValueError:
+        ok = False
+    _require(ok, f"{fn}: seq_len shape {jnp.shape(seq_len)} must broadcast into {shape}")
+
+
 def _check_inputs(x, positions) -> None:
     _require(x.ndim >= 3, f"apply_rope: x.shape={x.shape}: expected [..., T, H, D]")
     _require(
@@ -338,7 +352,8 @@ def rotation_tables(
     length: tokens of sequences of other lengths then rotate apart), default
     `max(positions) + 1` over all of them (HF's, over its batch)."""
     tables = rope.channel_tables(head_dim)
-    if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
+    dynamic = isinstance(rope.scaling, DynamicNTKScaling)
+    if seq_len is None and dynamic and positions.size:
         seq_len = jnp.max(positions) + 1
     freq = rope.inv_freq(head_dim, seq_len)[..., tables.freq_index]  # [*N or 1, D]
     angle = positions[..., None].astype(jnp.float32) * freq
@@ -364,7 +379,9 @@ def token_rotations(
     """`TokenRotations` of tokens at `positions`, the angles and factors of `apply_rope`
     (its `seq_len` default too)."""
     tables = rope.channel_tables(head_dim)
-    cos, sin = rotation_tables(jnp.asarray(positions), rope, head_dim, seq_len=seq_len)
+    positions = jnp.asarray(positions)
+    _check_seq_len("token_rotations", seq_len, rope, positions.shape)
+    cos, sin = rotation_tables(positions, rope, head_dim, seq_len=seq_len)
     return TokenRotations(cos, tables.sign * sin, jnp.asarray(tables.partner))
 
 
@@ -383,7 +400,7 @@ def apply_rope(
         against x's leading dims); any order, any values below 2**24.
       rope: the static config.
       seq_len: the current sequence length for DynamicNTKScaling: an int, or an int array
-        broadcasting against `positions` (each token's or row's own length); default
+        broadcasting into x's `[..., T]` (each token's or row's own length); default
         `max(positions) + 1` over the whole call (HF's rule, over its batch). Ignored
         otherwise.
 
@@ -393,6 +410,7 @@ def apply_rope(
     """
     x, positions = jnp.asarray(x), jnp.asarray(positions)
     _check_inputs(x, positions)
+    _check_seq_len("apply_rope", seq_len, rope, x.shape[:-2])
     head_dim = x.shape[-1]
     tables = rope.channel_tables(head_dim)
     cos, sin = rotation_tables(positions, rope, head_dim, seq_len=seq_len)

@@ -456,6 +456,9 @@ def _apply_to(rope, head_dim=64, positions=None, x_shape=None):
     return lambda: apply_rope(x, jnp.arange(4) if positions is None else positions, rope)
 
 
+DYNAMIC = RoPE(scaling=DynamicNTKScaling(4.0, 16))
+ROW_LENGTHS = np.array([[20], [40]])  # a length per row: [B, 1]
+
 BAD = {
     "rotary_dim odd": (lambda: RoPE(rotary_dim=7), "rotary_dim"),
     "rotary_dim zero": (lambda: RoPE(rotary_dim=0), "rotary_dim"),
@@ -483,6 +486,17 @@ BAD = {
     "positions length": (_apply_to(RoPE(), positions=jnp.arange(5)), "positions"),
     "positions extra dims": (_apply_to(RoPE(), positions=jnp.zeros((3, 4), int)), "positions"),
     "x rank": (_apply_to(RoPE(), x_shape=(4, 64)), "x.shape"),
+    "linear factor inf": (lambda: LinearScaling(float("inf")), "factor"),
+    "dynamic factor nan": (lambda: DynamicNTKScaling(float("nan"), 16), "factor"),
+    # A length per row where x has none: the tables would outgrow x (they had, silently).
+    "seq_len grows x": (
+        lambda: apply_rope(jnp.ones((3, 1, 8)), jnp.arange(3), DYNAMIC, seq_len=ROW_LENGTHS),
+        "seq_len",
+    ),
+    "seq_len grows tokens": (
+        lambda: token_rotations(jnp.arange(3), DYNAMIC, 8, seq_len=ROW_LENGTHS),
+        "seq_len",
+    ),
 }  # fmt: skip
 
 
@@ -491,3 +505,20 @@ def test_bad_input(name):
     fn, field = BAD[name]
     with pytest.raises(ValueError, match=field):
         fn()
+
+
+@pytest.mark.parametrize("factor", ["2", True, None])
+def test_factor_not_a_number(factor):
+    with pytest.raises(TypeError, match="factor"):
+        LinearScaling(factor)
+
+
+def test_seq_len_per_row_broadcasts_into_x():
+    """A length per row of a `[B, T]` batch with positions `[T]` (nn.Attention's q_lengths)
+    is still taken: it grows the positions, not x."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 1, 8))
+    out = apply_rope(x, jnp.arange(3), DYNAMIC, seq_len=ROW_LENGTHS)
+    assert out.shape == x.shape
+    for b in range(2):
+        row = apply_rope(x[b], jnp.arange(3), DYNAMIC, seq_len=int(ROW_LENGTHS[b, 0]))
+        np.testing.assert_array_equal(out[b], row)
