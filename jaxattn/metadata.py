@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from jaxattn.int32 import check_int32, host_values
+from jaxattn.int32 import as_int32, check_int32, host_values
 from jaxattn.manager import KVCacheManager
 from pallas_kernels.cache_read import ring_position
 
@@ -139,12 +139,14 @@ class AttentionMetadata:
         reserved length, whose first tokens then sit at negative positions) writes nothing
         where it has no slot, its tokens without keys output zeros, and `check()` reports
         it (`q_within_context`), as it reports a sequence in two rows (`distinct_rows`).
+        Tokens past T are dropped (`check()`: `tokens_fit`); a row cut short keeps its
+        first tokens, planned as a step of those alone (its `context_lens` end with them),
+        while the manager still counts the dropped ones, whose keys are never written.
         """
         check_int32("AttentionMetadata.build", "seq_ids", seq_ids)
         check_int32("AttentionMetadata.build", "q_lens", q_lens)
         _check_host_q_lens(seq_ids, q_lens)
-        seq_ids = jnp.asarray(seq_ids, jnp.int32)
-        q_lens = jnp.asarray(q_lens, jnp.int32)
+        seq_ids, q_lens = as_int32(seq_ids), as_int32(q_lens)
         if seq_ids.ndim != 1 or q_lens.shape != seq_ids.shape:
             raise ValueError(
                 f"AttentionMetadata.build: {seq_ids.shape=} and {q_lens.shape=}: expected [S]"
@@ -156,11 +158,14 @@ class AttentionMetadata:
         q_lens = jnp.where(live, jnp.maximum(q_lens, 0), 0)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         asked = cu[-1]
-        # Tokens past the bucket are dropped: `check()` reports it (`tokens_fit`).
+        # Tokens past the bucket are dropped: `check()` reports it (`tokens_fit`). A row cut
+        # short keeps its first tokens at their own positions, and its keys end with them
+        # (the kernels align a row's queries to its last key).
         cu = jnp.minimum(cu, max_tokens)
+        cut = q_lens - (cu[1:] - cu[:-1])
         meta = cls(
             cu_seqlens_q=cu,
-            context_lens=context_lens,
+            context_lens=jnp.maximum(context_lens - cut, 0),
             block_tables=jnp.where(known[:, None], mgr.block_tables[row], -1),
             positions=jnp.zeros(max_tokens, jnp.int32),
             slot_mapping=jnp.full(max_tokens, -1, jnp.int32),

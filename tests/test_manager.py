@@ -321,11 +321,21 @@ SDS = jax.ShapeDtypeStruct
 
 
 @pytest.mark.parametrize("name", ["num_pages", "page_size", "max_seqs", "max_pages_per_seq"])
-@pytest.mark.parametrize("value", [0, -2, 1.5])
+@pytest.mark.parametrize("value", [0, -2, 1.5, 4.0, True])
 def test_create_rejects_bad_sizes(name, value):
+    """Sizes are positive ints: 4.0 had passed this check and failed later in jnp.full with
+    a message naming no argument, and True had counted as 1."""
     sizes = dict(num_pages=N, page_size=P, max_seqs=S, max_pages_per_seq=M) | {name: value}
     with pytest.raises(ValueError, match=f"{name}={value}"):
         KVCacheManager.create(**sizes)
+
+
+@pytest.mark.parametrize("window", [True, 2.0, 0])
+def test_create_rejects_a_window_that_is_no_positive_int(window):
+    """window=True had made a ring of one token."""
+    with pytest.raises(ValueError, match="window="):
+        KVCacheManager.create(num_pages=12, page_size=4, max_seqs=3, max_pages_per_seq=3,
+                              window=window)  # fmt: skip
 
 
 def test_create_rejects_int32_overflow():
@@ -375,6 +385,34 @@ def test_int64_host_values_past_int32_are_an_error(call):
     2**32 + 5 had reserved 5 tokens: host integers outside int32 now raise."""
     with pytest.raises(ValueError, match="outside int32"):
         call(_two_sequences())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.reserve(jnp.array([2], jnp.uint32), jnp.array([3_000_000_000], jnp.uint32)),
+        lambda m: m.release(jnp.array([2**32 - 1], jnp.uint32)),
+        lambda m: m.slot_mapping(jnp.array([0], jnp.uint32), jnp.array([2**31], jnp.uint32)),
+    ],
+    ids=["reserve", "release", "slot_mapping"],
+)
+def test_uint32_device_values_past_int32_are_an_error(call):
+    """A uint32 JAX array (allowed with 64-bit mode off) of a length 3e9 had reserved
+    nothing and reported success, and id 2**32 - 1 had wrapped to -1 (padding): values
+    outside int32 of a concrete JAX array raise as host ones do."""
+    with pytest.raises(ValueError, match="outside int32"):
+        call(_two_sequences())
+
+
+def test_traced_uint32_values_past_int32_saturate():
+    """Traced, a uint32 length past int32 cannot be looked at: it saturates to int32's
+    bound (more than any pool holds), so reserve fails rather than wrapping to 0."""
+    reserve = jax.jit(lambda m, ids, lengths: m.reserve(ids, lengths))
+    ids = jnp.array([2], jnp.uint32)
+    mgr, ok = reserve(_two_sequences(), ids, jnp.array([3_000_000_000], jnp.uint32))
+    assert not bool(ok) and mgr.lengths.tolist() == [6, 3, 0]
+    mgr, ok = reserve(_two_sequences(), ids, jnp.array([4], jnp.uint32))
+    assert bool(ok) and mgr.lengths.tolist() == [6, 3, 4]
 
 
 def test_slot_mapping_never_gives_a_slot_of_a_shared_page():

@@ -817,6 +817,32 @@ def test_check_flags_an_overfull_step():
     assert bool(meta.check()["ok"])
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_an_overfull_step_keeps_the_first_tokens_of_the_row_it_cuts(impl):
+    """A row of 9 new tokens (after 3 cached) in a bucket of 8 keeps its first 8: their
+    keys are written at positions 3..10 and their queries attend as a step of those 8 does
+    (a sequence of 11). Before, the kernels aligned the 8 queries to the row's 12 reserved
+    keys (positions 4..11, the last key never written), and the backends disagreed."""
+    rng = np.random.default_rng(0)
+    cache = jaxattn.PagedKVCache.create(8, P, 1, D, dtype=F32)
+    cache = jaxattn.PagedKVCache(*(jnp.asarray(rng.standard_normal(x.shape), F32)
+                                   for x in (cache.k_pages, cache.v_pages)))  # fmt: skip
+    q, k, v = (jnp.asarray(rng.standard_normal((8, h, D)), F32) for h in (HQ, 1, 1))
+    base = jaxattn.KVCacheManager.create(8, P, 2, 4)
+    base, _ = base.reserve(jnp.arange(2), jnp.array([3, 5]))
+    cut, _ = base.reserve(jnp.arange(2), jnp.array([12, 6]))  # 9 and 1 new tokens
+    meta = jaxattn.AttentionMetadata.build(cut, jnp.arange(2), jnp.array([9, 1]), 8)
+    assert not bool(meta.check()["tokens_fit"]) and meta.q_lens.tolist() == [8, 0]
+    fit, _ = base.reserve(jnp.arange(2), jnp.array([11, 5]))  # the 8 tokens that fit
+    want = jaxattn.AttentionMetadata.build(fit, jnp.arange(2), jnp.array([8, 0]), 8)
+    np.testing.assert_array_equal(meta.positions, want.positions)
+    np.testing.assert_array_equal(meta.slot_mapping, want.slot_mapping)
+    out, new = jaxattn.paged_attention(q, k, v, cache, meta, implementation=impl)
+    ref, ref_cache = jaxattn.paged_attention(q, k, v, cache, want, implementation="xla")
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new.k_pages, ref_cache.k_pages)
+
+
 def test_build_rejects_negative_q_lens_given_on_the_host():
     """A live row's negative q_len given on the host raises, naming the row; a padding
     row's is ignored; traced, it counts as 0 (no tokens), as documented."""
