@@ -57,6 +57,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, Shaped
 
 __all__ = [
@@ -124,8 +125,9 @@ class KVQuant:
                 f"KVQuant: group_size={self.group_size} needs granularity='group', "
                 f"got {self.granularity!r}"
             )
-        if int(self.group_size) != self.group_size or self.group_size < 1:
-            raise ValueError(f"KVQuant: group_size={self.group_size} must be a positive int")
+        size = self.group_size
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"KVQuant: group_size={size!r} must be a positive int")
 
     @property
     def storage_dtype(self):
@@ -162,6 +164,8 @@ class KVQuant:
 def pack_int4(x: Int[Array, "... D"]) -> Int[Array, "... Dp"]:
     """Integers in [-8, 7] `[..., D]` -> uint8 `[..., Dp = D // 2]`: byte j holds channel j in
     its low nibble and channel j + D/2 in its high nibble (two's complement)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"pack_int4: {x.shape=}: the last axis (head_dim) must be even")
     half = x.shape[-1] // 2
     nibbles = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8) & 0xF
     return nibbles[..., :half] | (nibbles[..., half:] << 4)
@@ -169,6 +173,8 @@ def pack_int4(x: Int[Array, "... D"]) -> Int[Array, "... Dp"]:
 
 def unpack_int4(packed: Int[Array, "... Dp"]) -> Int[Array, "... D"]:
     """uint8 `[..., Dp]` -> int8 `[..., D = 2 * Dp]`, the inverse of `pack_int4`."""
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"unpack_int4: {packed.dtype=}: INT4 storage is uint8 (two a byte)")
 
     def signed(nibble):  # 0..15 -> -8..7
         return (nibble.astype(jnp.int8) ^ 8) - 8
@@ -214,12 +220,24 @@ def calibrate_kv_scales(
     return scale(k), scale(v)
 
 
-def _check_scale(scale, quant: KVQuant, head_dim: int) -> None:
+def _check_scale(scale, quant: KVQuant, lead: tuple, head_dim: int) -> None:
+    """A ValueError naming `scale` unless it is a float array that broadcasts against the
+    values' leading axes `lead` (per group: with a last axis of num_groups)."""
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"{scale.dtype=}: scales are float")
     if quant.granularity == "group" and scale.shape[-1:] != (quant.num_groups(head_dim),):
         raise ValueError(
             f"{scale.shape=}: per-group scales need a last axis of num_groups="
             f"{quant.num_groups(head_dim)} (head_dim={head_dim}, group_size={quant.group_size})"
         )
+    group = quant.granularity == "group"
+    own, values = (scale.shape[:-1], lead) if group else (scale.shape, (*lead, head_dim))
+    try:
+        ok = np.broadcast_shapes(own, values) == values
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{scale.shape=}: does not broadcast against the values {values}")
 
 
 # ---------------------------------------------------------------- quantize / dequantize
@@ -265,11 +283,14 @@ def quantize(
     """`x` `[..., D]` (float) -> stored values `[..., packed_dim(D)]` of `storage_dtype`.
 
     scale: float32 `[]` (or broadcastable to x) for "tensor"; `[..., num_groups]` (bf16 from
-    `group_scales`, broadcastable against x's leading axes) for "group".
+    `group_scales`, broadcastable against x's leading axes) for "group". Every scale must
+    be >= TINY_SCALE, as `group_scales`, `calibrate_kv_scales` and the caches' checks
+    ensure: below it (0) zeros quantize to NaN. Not checked here (the values may be
+    traced).
     """
-    x = x.astype(jnp.float32)
+    x, scale = x.astype(jnp.float32), jnp.asarray(scale)
     quant.check(x.shape[-1])
-    _check_scale(scale, quant, x.shape[-1])
+    _check_scale(scale, quant, x.shape[:-1], x.shape[-1])
     fp8 = quant.dtype == "float8_e4m3fn"
     if quant.granularity == "tensor":
         y = x * (1.0 / scale.astype(jnp.float32))  # the product is the definition
@@ -287,9 +308,12 @@ def dequantize(
 ) -> Float[Array, "... D"]:
     """Stored values `[..., packed_dim(D)]` -> `[..., D]` of `dtype`, computed in float32 as
     `q * scale` (scale as in `quantize`)."""
+    if data.dtype != quant.storage_dtype:
+        raise ValueError(f"dequantize: {data.dtype=}: {quant} stores {quant.storage_dtype}")
+    scale = jnp.asarray(scale)
     q = unpack_int4(data) if quant.dtype == "int4" else data
     head_dim = q.shape[-1]
-    _check_scale(scale, quant, head_dim)
+    _check_scale(scale, quant, q.shape[:-1], head_dim)
     if quant.granularity == "group":
         scale = _per_channel(scale, head_dim)
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)

@@ -159,6 +159,24 @@ def test_oracle_quantization(quant_bit):
     assert np.all(np.abs(back - x.astype(np.float64)) <= 0.5 * np.repeat(s, 8, -1) * 1.001)
 
 
+def test_float16_scales_saturate_rather_than_overflow():
+    """A group whose amax / qmax passes float16's largest value (1e7 / 127 > 65504): its
+    scale had been inf, its codes 0, and its values read back NaN. The scale now
+    saturates at 65504 and the codes at +-qmax; the other group is exact as before."""
+    from jaxattn.ppl.cache import PPLCache
+
+    rows = PPLCache(1, 0, 1, 8, 8, 8, 0, 0, 0)
+    k = np.zeros((2, 1, 8), np.float32)
+    k[0, 0], k[1, 0] = np.linspace(-1e7, 1e7, 8), np.linspace(-1e3, 1e3, 8)
+    cache, scale = jnp.zeros((2, 1, 2, 1, 8), jnp.int8), jnp.zeros((2, 1, 2, 1, 1), jnp.float16)
+    cache, scale, keys, _ = rows.write(cache, scale, jnp.asarray(k), jnp.asarray(k), jnp.arange(2))
+    assert np.isfinite(np.asarray(keys, np.float32)).all()
+    assert float(scale[0, 0, 0, 0, 0]) == 65504.0
+    assert np.asarray(cache[0, 0, 0, 0]).tolist()[::7] == [-127, 127]
+    stored, s = quantize_rows(k[1:], 8, 8, np.float16)  # the oracle, on the in-range row
+    np.testing.assert_array_equal(np.asarray(cache[1, 0, 0]), stored[0])
+
+
 def test_oracle_slopes_match_the_library():
     for n in (4, 6, 8):
         np.testing.assert_allclose(bloom_alibi_slopes(n), jaxattn.alibi_slopes(n), rtol=1e-6)

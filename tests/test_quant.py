@@ -543,6 +543,9 @@ def test_paged_decode_reference_on_quantized_cache(quant):
         (dict(dtype="int8", granularity="channel"), "granularity='channel'"),
         (dict(dtype="int8", group_size=4), "group_size=4"),
         (dict(dtype="int8", granularity="group", group_size=0), "group_size=0"),
+        # 8.0 was taken and stored as a float, which failed later in jnp shapes unnamed.
+        (dict(dtype="int8", granularity="group", group_size=8.0), "group_size=8.0"),
+        (dict(dtype="int8", granularity="group", group_size=True), "group_size=True"),
     ],
 )
 def test_kvquant_rejects_bad_config(kwargs, match):
@@ -626,6 +629,27 @@ def test_write_and_gather_reject_bad_scales(cache, match):
             SDS((2, 2), jnp.int32),
             SDS((2,), jnp.int32),
         )
+
+
+def test_quantize_and_dequantize_reject_bad_scales_and_storage():
+    """Scales whose leading axes do not fit the values', or of an int dtype, had failed in
+    jnp's broadcast unnamed or been taken; dequantize took INT4 codes stored as int8 (the
+    wrong dtype) and pack_int4 an odd head_dim, each silently or unnamed."""
+    quant = KVQuant("int8", "group", 32)
+    x = jnp.ones((2, 2, 64))
+    with pytest.raises(ValueError, match=re.escape("scale.shape=(3, 2, 2)")):
+        quantize(x, jnp.ones((3, 2, 2), jnp.bfloat16), quant)
+    with pytest.raises(ValueError, match="scale.dtype"):
+        quantize(x, jnp.ones((2, 2, 2), jnp.int32), quant)
+    with pytest.raises(ValueError, match=re.escape("scale.shape=(5,)")):
+        quantize(x, jnp.ones(5), KVQuant("int8"))
+    assert quantize(x, jnp.ones((2, 1, 2), jnp.bfloat16), quant).shape == (2, 2, 64)
+    with pytest.raises(ValueError, match="data.dtype"):
+        dequantize(jnp.zeros((2, 64), jnp.int8), jnp.float32(1.0), KVQuant("int4"))
+    with pytest.raises(ValueError, match="head_dim"):
+        pack_int4(jnp.zeros((2, 3), jnp.int8))
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_int4(jnp.zeros((2, 3), jnp.int8))
 
 
 def test_quantize_rejects_group_scales_of_wrong_width():

@@ -24,7 +24,11 @@ tiny)` in float32 (the reciprocal a float32 constant: XLA turns a division by a 
 into that product anyway, so the rule says so), rounded to the scale array's dtype
 (float16 or float32; tiny its smallest normal), then `code = clip(round(x / s), -qmax,
 qmax)` (round half to even) with that stored s, so the kernels dequantize (`code * s`)
-with the scale the write used. INT4 bytes hold channel j in the low nibble and channel
+with the scale the write used. Two limits: a float16 scale saturates at float16's largest
+value (a group's amax past 65504 * qmax then saturates its codes, where it would have
+been inf and read back NaN); with float32 scales, a quotient within a float32 ulp of a
+tie (k + 1/2) may round either way (x is compared with the tie as the float32 product
+`(k + 1/2) * s`, which rounds). INT4 bytes hold channel j in the low nibble and channel
 j + head_dim/2 in the high one (`jaxattn.quant.pack_int4`): the last axis is head_dim / 2
 bytes (uint8).
 """
@@ -189,9 +193,11 @@ class PPLCache:
 
 def _group_scales(x, quant: KVQuant, dtype) -> jax.Array:
     """PPL's scales of `x` `[..., D]`: `max(amax * (1 / qmax), tiny)` per group, in `dtype`."""
-    tiny = float(jnp.finfo(dtype).tiny)  # smallest normal: a scale never flushes to zero
+    info = jnp.finfo(dtype)  # tiny: the smallest normal, so a scale never flushes to zero
     inverse = np.float32(1.0) / np.float32(quant.qmax)
-    scale = jnp.maximum(group_amax(x, quant) * inverse, tiny)
+    # A float16 scale past its largest value would be inf, and its codes read back NaN:
+    # it saturates there, and the group's codes at +-qmax.
+    scale = jnp.clip(group_amax(x, quant) * inverse, float(info.tiny), float(info.max))
     if jnp.dtype(dtype) == jnp.float16:  # rounded here: XLA may drop a round trip of casts
         scale = jax.lax.reduce_precision(scale, exponent_bits=5, mantissa_bits=10)
     return scale.astype(dtype)
