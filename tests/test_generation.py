@@ -292,6 +292,50 @@ def test_rejected_requests_and_eos_while_others_complete(small_model):
     assert_clean_end(engine)
 
 
+def test_a_failed_reserve_writes_nothing(small_model):
+    """A request whose max_new_tokens is raised after admission outgrows the pages it was
+    admitted with; the step whose reserve fails raises. Its plan had taken the old lengths
+    as the new ones and written the new token over the last cached one (page 3, offset 3):
+    now the caches are untouched, and the pages committed stay those admission counted."""
+    config = EngineConfig(num_pages=4, page_size=4, max_seqs=2, max_pages_per_seq=8,
+                          token_buckets=(4,))  # fmt: skip
+    engine = Engine(small_model, config)
+    grown = Request(list(range(1, 9)), max_new_tokens=2)  # commits pages(9) = 3
+    engine.submit(grown)
+    engine.submit(Request([5, 6, 7, 8], max_new_tokens=1))  # 1
+    engine.step()
+    grown.max_new_tokens = 12  # now needs pages(19) = 5
+    for _ in range(16):
+        before = [np.asarray(x) for x in jax.tree.leaves(engine.caches)]
+        try:
+            engine.step()
+        except RuntimeError as error:
+            assert "reserve failed" in str(error)
+            break
+    else:
+        pytest.fail("no step outgrew the pool")
+    for was, now in zip(before, jax.tree.leaves(engine.caches), strict=True):
+        np.testing.assert_array_equal(was, np.asarray(now))
+    assert engine.scheduler.committed_pages == 3 + 1  # as admitted, not the grown request's 5
+
+
+def test_a_raising_callback_still_releases_an_idle_engines_pages(small_model):
+    """An on_token callback that raises on the last token had left the finished request's
+    pages held until the next submit and step."""
+    config = EngineConfig(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=8,
+                          token_buckets=(8,))  # fmt: skip
+    engine = Engine(small_model, config)
+
+    def fail_on_finish(request, token):
+        if request.status is Status.FINISHED:
+            raise ValueError("callback failed")
+
+    with pytest.raises(ValueError, match="callback failed"):
+        engine.run([Request([1, 2, 3, 4, 5], max_new_tokens=3, on_token=fail_on_finish)],
+                   progress=False)  # fmt: skip
+    assert engine.free_pages == config.num_pages
+
+
 def test_sampled_tokens_do_not_depend_on_batching(small_model):
     """A request's random tokens depend on (engine seed, its seed, positions) only: alone
     or among others, arriving early or late, it draws the same tokens."""

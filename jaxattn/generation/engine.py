@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -124,8 +125,11 @@ def _serve_step(
     model = nnx.merge(graphdef, state)
     mgr = mgr.release(inputs.release)
     mgr, ok = mgr.reserve(inputs.seq_ids, inputs.lengths)
+    # A failed reserve left the lengths as they were: a plan from them would write the new
+    # tokens over cached ones. Every row is padding then (nothing written); step() raises.
+    seq_ids = jnp.where(ok, inputs.seq_ids, -1)
     meta = AttentionMetadata.build(
-        mgr, inputs.seq_ids, inputs.q_lens, inputs.tokens.shape[0], decode_only=decode_only
+        mgr, seq_ids, inputs.q_lens, inputs.tokens.shape[0], decode_only=decode_only
     )
     logits, caches = model.step(inputs.tokens, caches, meta, logits_indices=inputs.last)
     for sharding in gather or ():
@@ -297,11 +301,13 @@ class Engine:
             seconds=seconds,
             compiled=self.compilations > traces,
         )
-        for r, token in events:
-            if r.on_token is not None:
-                r.on_token(r, token)
-        if not scheduler.busy and scheduler.to_release:  # idle: give the pages back now
-            self.manager = self._release(self.manager, self._take_releases())
+        try:
+            for r, token in events:
+                if r.on_token is not None:
+                    r.on_token(r, token)
+        finally:  # a callback that raises still leaves an idle engine's pages released
+            if not scheduler.busy and scheduler.to_release:  # idle: give the pages back now
+                self.manager = self._release(self.manager, self._take_releases())
         return events
 
     def run(

@@ -57,6 +57,10 @@ class Request:
         step it is sampled.
       name: a label for printing.
 
+    The engine commits a request's pages for its prompt and max_new_tokens when it admits
+    it: neither may change after `submit` (a longer request then outgrows its pages, and
+    the step that would write past them raises instead).
+
     Set by the engine: `status`, `finish_reason`, `output` (the generated token ids).
     """
 
@@ -71,6 +75,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list, init=False)
     slot: int | None = dataclasses.field(default=None, init=False, repr=False)
     prefilled: int = dataclasses.field(default=0, init=False, repr=False)
+    committed: int = dataclasses.field(default=0, init=False, repr=False)  # pages, at admission
 
     @property
     def cached(self) -> int:
@@ -179,6 +184,7 @@ class Scheduler:
                 return
             request = self.waiting.popleft()
             request.status, request.slot = Status.RUNNING, self.free_slots.pop(0)
+            request.committed = pages
             self.committed_pages += pages
             self.running.append(request)
 
@@ -226,4 +232,4 @@ class Scheduler:
         self.to_release.append(request.slot)
         self.free_slots.append(request.slot)
         self.free_slots.sort()
-        self.committed_pages -= self.limits.pages(request.max_cached)
+        self.committed_pages -= request.committed  # what admission counted, not max_cached now
