@@ -13,9 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["as_int32", "check_int32", "host_values"]
+__all__ = ["as_int32", "check_int32", "host_values", "is_int"]
 
 _INT32 = np.iinfo(np.int32)
+
+
+def is_int(value) -> bool:
+    """A Python or numpy int given as a static size or option: not a bool, not a float of
+    integral value."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def host_values(x) -> np.ndarray | None:

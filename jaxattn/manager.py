@@ -75,17 +75,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from jaxattn.int32 import as_int32, check_int32
+from jaxattn.int32 import as_int32, check_int32, is_int
 from pallas_kernels.cache_read import ring_position
 
 __all__ = ["KVCacheManager", "pad_ids", "reserve_from_lists"]
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-def _is_int(value) -> bool:
-    """A Python or numpy int, not a bool or a float of integral value."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _int_vector(method: str, name: str, x, length: int | None = None) -> jax.Array:
@@ -164,7 +159,7 @@ class KVCacheManager:
             max_pages_per_seq=max_pages_per_seq,
         )
         for name, value in sizes.items():
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"KVCacheManager.create: {name}={value!r} must be a positive int")
         # Slots (page * P + offset) and positions are int32.
         if num_pages * page_size > _INT32_MAX or max_pages_per_seq * page_size > _INT32_MAX:
@@ -193,7 +188,7 @@ class KVCacheManager:
     @staticmethod
     def window_pages(window: int, sink_tokens: int, page_size: int) -> int:
         """Pages per sequence of a cyclic cache: `ceil((window + sink_tokens) / P) + 1`."""
-        if not _is_int(window) or window < 1 or not _is_int(sink_tokens):
+        if not is_int(window) or window < 1 or not is_int(sink_tokens):
             raise ValueError(f"{window=} must be a positive int, {sink_tokens=} an int")
         if sink_tokens < 0:
             raise ValueError(f"{sink_tokens=} must be >= 0")

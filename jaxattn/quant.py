@@ -60,6 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Shaped
 
+from jaxattn.int32 import is_int
+
 __all__ = [
     "TINY_SCALE",
     "KVQuant",
@@ -126,7 +128,7 @@ class KVQuant:
                 f"got {self.granularity!r}"
             )
         size = self.group_size
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        if not is_int(size) or size < 1:
             raise ValueError(f"KVQuant: group_size={size!r} must be a positive int")
 
     @property

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.int32 import is_int
+
 __all__ = [
     "ChannelTables",
     "DynamicNTKScaling",
@@ -55,7 +57,7 @@ def _check_factor(obj) -> None:
 
 def _check_positive_int(obj, field: str) -> None:
     value = getattr(obj, field)
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+    ok = is_int(value) and value >= 1
     _require(ok, f"{type(obj).__name__}: {field}={value!r} must be an int >= 1")
 
 
@@ -314,11 +316,16 @@ def _check_seq_len(fn: str, seq_len, rope: RoPE, shape: tuple) -> None:
     growing it: the tables it gives must not outgrow the tokens they rotate."""
     if seq_len is None or not isinstance(rope.scaling, DynamicNTKScaling):
         return
-    try:
-        ok = np.broadcast_shapes(jnp.shape(seq_len), shape) == shape
-    except ValueError:
-        ok = False
+    ok = _broadcasts_into(jnp.shape(seq_len), shape)
     _require(ok, f"{fn}: seq_len shape {jnp.shape(seq_len)} must broadcast into {shape}")
+
+
+def _broadcasts_into(shape: tuple, into: tuple) -> bool:
+    """Whether `shape` broadcasts against `into` without growing it."""
+    try:
+        return np.broadcast_shapes(shape, into) == into
+    except ValueError:
+        return False
 
 
 def _check_inputs(x, positions) -> None:
@@ -331,12 +338,8 @@ def _check_inputs(x, positions) -> None:
         jnp.issubdtype(positions.dtype, jnp.integer),
         f"apply_rope: positions.dtype={positions.dtype}: expected an integer dtype",
     )
-    try:
-        ok = np.broadcast_shapes(positions.shape + (1, 1), x.shape) == x.shape
-    except ValueError:
-        ok = False
     _require(
-        ok and positions.ndim >= 1,
+        _broadcasts_into(positions.shape + (1, 1), x.shape) and positions.ndim >= 1,
         f"apply_rope: {x.shape=} and {positions.shape=}: positions [..., T] must broadcast "
         "against x [..., T, H, D] (heads and head_dim excluded)",
     )
@@ -352,8 +355,7 @@ def rotation_tables(
     length: tokens of sequences of other lengths then rotate apart), default
     `max(positions) + 1` over all of them (HF's, over its batch)."""
     tables = rope.channel_tables(head_dim)
-    dynamic = isinstance(rope.scaling, DynamicNTKScaling)
-    if seq_len is None and dynamic and positions.size:
+    if seq_len is None and isinstance(rope.scaling, DynamicNTKScaling) and positions.size:
         seq_len = jnp.max(positions) + 1
     freq = rope.inv_freq(head_dim, seq_len)[..., tables.freq_index]  # [*N or 1, D]
     angle = positions[..., None].astype(jnp.float32) * freq
