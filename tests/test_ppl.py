@@ -25,6 +25,7 @@ from ppl_oracle import QMAX, canonical, codes_of, make_case, pack_int4, quantize
 
 import jaxattn
 from jaxattn import ppl
+from jaxattn.ppl.cache import PPLCache
 
 # Output tolerances (atol = rtol) against the float64 oracle, by query dtype. fp16/bf16:
 # the output is stored in that dtype (half an ulp: ~5e-4 / 4e-3 at |out| ~ 1) and the
@@ -163,8 +164,6 @@ def test_float16_scales_saturate_rather_than_overflow():
     """A group whose amax / qmax passes float16's largest value (1e7 / 127 > 65504): its
     scale had been inf, its codes 0, and its values read back NaN. The scale now
     saturates at 65504 and the codes at +-qmax; the other group is exact as before."""
-    from jaxattn.ppl.cache import PPLCache
-
     rows = PPLCache(1, 0, 1, 8, 8, 8, 0, 0, 0)
     k = np.zeros((2, 1, 8), np.float32)
     k[0, 0], k[1, 0] = np.linspace(-1e7, 1e7, 8), np.linspace(-1e3, 1e3, 8)
