@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,14 @@ from pallas_kernels.mosaic import (
 )
 from pallas_kernels.mosaic.common import SMS, Launch, consumer_steps, key_ring
 from pallas_kernels.mosaic.config import LONG_FULL_KEYS
-from pallas_kernels.mosaic.forward import block_range, key_blocks, persistent_blocks
+from pallas_kernels.mosaic.forward import (
+    TILE_COST_STEPS,
+    block_range,
+    causal_tile_cost,
+    causal_walks,
+    key_blocks,
+    persistent_blocks,
+)
 
 ON_HOPPER = util.ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith(
     "9."
@@ -397,6 +405,43 @@ def test_persistent_blocks():
     assert persistent_blocks(config, many, True, sms=0) == 0  # count unknown
 
 
+def test_causal_walks():
+    """Causal tiles are walked over a dense batch without a window where every row sees
+    a key (Tq <= Tk); lengths, packing, windows and full attention are not `causal_walks`
+    (full attention's tiles are alike: walked by stride)."""
+    assert causal_walks(True, None, False, 4096, 4096)
+    assert causal_walks(True, None, False, 2048, 4160)
+    assert not causal_walks(True, None, False, 4160, 4096)  # top rows see no key
+    assert not causal_walks(True, 512, False, 4096, 4096)
+    assert not causal_walks(True, None, True, 4096, 4096)
+    assert not causal_walks(False, None, False, 4096, 4096)
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096, 1), (2048, 2048, 8), (2560, 2624, 1),
+                                   (640, 2048, 3), (16384, 16384, 1)])  # fmt: skip
+def test_causal_walk_table(shape):
+    """`Launch.walk` over causal tiles: every tile of the launch order exactly once, each
+    block's in launch order, and as even as list scheduling makes it (no block busier
+    than the least busy by more than one tile's cost); a tile's cost is its key blocks
+    that some row sees (brute force) plus the fixed TILE_COST_STEPS."""
+    tq, tk, batch = shape
+    config = MosaicForwardConfig.heuristic(128)
+    launch = Launch(32, tq // config.rows, batch, 4)
+    cost = functools.partial(causal_tile_cost, config=config, q_rows=tq, kv_rows=tk)
+    for t in range(launch.tiles):
+        row = (launch.tiles - 1 - t) * config.rows  # heaviest first
+        last = row + config.rows - 1 + tk - tq  # the tile's last position sees keys <= it
+        assert cost(t) == -(-(last + 1) // config.block_kv) + TILE_COST_STEPS
+    table = launch.walk(132, cost)
+    counts = table[:, 0]
+    walks = [list(table[p, 1 : 1 + n]) for p, n in enumerate(counts)]
+    assert sorted(i for w in walks for i in w) == list(range(launch.items))
+    assert all(w == sorted(w) for w in walks)
+    busy = [sum(cost(launch.tile_of(i)) for i in w) for w in walks]
+    assert max(busy) - min(busy) <= cost(0)
+    assert launch.tile_of(0) == 0 and launch.tile_of(launch.items - 1) == launch.tiles - 1
+
+
 PERSISTENT_LOWERED = [  # (Tk, D, block_kv, stages): where O is staged
     (4160, 128, 128, 2),  # its own tiles; a short last step of 64 keys
     (4096, 128, 192, 2),  # the last block's K slot rows 64..191 (both consumers)
@@ -405,29 +450,34 @@ PERSISTENT_LOWERED = [  # (Tk, D, block_kv, stages): where O is staged
     (4096, 64, 192, 2),  # its own tiles
     (4160, 128, 128, 3),  # K and V slot rows 64..127 of a 3-slot ring
     (4096, 256, 64, 2),  # Q's buffer
+    (4096, 128, 128, 2, True),  # causal: blocks walk a table
+    (4160, 128, 128, 2, True),  # causal, consumer 0 passing over each tile's last step
 ]
 
 
 @pytest.mark.parametrize("case", PERSISTENT_LOWERED, ids=lambda c: "-".join(map(str, c)))
 def test_persistent_kernel_lowers_for_cuda(monkeypatch, case):
     """The persistent form traces and lowers for CUDA (its block count taken), O staged
-    in each of its places."""
+    in each of its places; causal, with its walks table an input."""
     from pallas_kernels.mosaic import forward
 
-    tk, d, block_kv, stages = case
+    tk, d, block_kv, stages, *causal = case
+    causal = bool(causal)
     calls = []
 
-    def blocks(config, launch, alike, sms=None):
-        calls.append(persistent_blocks(config, launch, alike, sms=132))
+    def blocks(config, launch, walkable, sms=None):
+        calls.append(persistent_blocks(config, launch, walkable, sms=132))
         return calls[-1]
 
     monkeypatch.setattr(forward, "persistent_blocks", blocks)
     q = jax.ShapeDtypeStruct((1, 4096, 8, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, tk, 2, d), jnp.bfloat16)
     config = MosaicForwardConfig(64, block_kv, stages, persistent=True)
-    fn = functools.partial(mosaic_forward, scale=0.1, config=config)
+    fn = functools.partial(mosaic_forward, causal=causal, scale=0.1, config=config)
     text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and calls == [132]
+    # The walks table, an int32 [132, 1 + n] input of the kernel, for causal calls only.
+    assert bool(re.search(r"tensor<132x\d+xi32>", text)) == causal
 
 
 LOWERED = [  # (D, causal, window, soft_cap, Tq, Tk, Hq, Hkv, dtype)
@@ -532,21 +582,38 @@ PERSISTENT_CASES = [  # (B, Tq, Tk, Hq, Hkv, D, soft_cap, (block_kv, stages)): >
 ]
 
 
+PERSISTENT_CAUSAL_CASES = [  # as PERSISTENT_CASES, causal: blocks walk `Launch.walk`'s table
+    (1, 2560, 2560, 8, 2, 128, None, (128, 2)),
+    (1, 4096, 4160, 9, 3, 128, None, (128, 2)),  # consumer 0 passes over each tile's last step
+    (2, 1024, 1536, 16, 4, 64, 30.0, (128, 2)),
+    (1, 2560, 2624, 8, 2, 64, None, (128, 3)),  # slots of 3 across tiles of differing steps
+    (2, 2048, 2048, 8, 4, 64, None, (64, 4)),
+    (2, 1024, 1088, 16, 4, 128, None, (128, 2), "float16"),
+    (1, 2560, 2560, 8, 2, 128, None, (192, 2)),  # O through Q's buffer
+    (1, 2560, 2560, 8, 2, 256, None, (64, 2)),  # D256: O through Q's buffer
+]
+
+
 @hopper_only
-@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_persistent_matches_per_tile(case):
+@pytest.mark.parametrize(
+    "case, causal",
+    [(c, False) for c in PERSISTENT_CASES] + [(c, True) for c in PERSISTENT_CAUSAL_CASES],
+    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else ("causal" if c else "full"),
+)
+def test_persistent_matches_per_tile(case, causal):
     """The persistent form computes each tile as the per-tile launch does (which the
     oracle tests check): bit for bit, out and lse, whichever block takes the tile."""
     b, tq, tk, hq, hkv, d, cap, (block_kv, stages), *dtype = case
     dtype = dtype[0] if dtype else "bfloat16"
-    rng = util.rng_for("mosaic persistent", case)
+    rng = util.rng_for("mosaic persistent", case, causal)
     q = util.randn(rng, (b, tq, hq, d), dtype)
     k, v = (util.randn(rng, (b, tk, hkv, d), dtype) for _ in range(2))
     persistent = MosaicForwardConfig(64, block_kv, stages, persistent=True)
     launch = Launch(hq, tq // persistent.rows, b, hq // hkv)
     assert persistent.persistent and persistent_blocks(persistent, launch, True) > 0
+    assert not causal or causal_walks(causal, None, False, tq, tk)
     per_tile = dataclasses.replace(persistent, persistent=False)
-    fn = functools.partial(mosaic_forward, soft_cap=cap, scale=d**-0.5)
+    fn = functools.partial(mosaic_forward, causal=causal, soft_cap=cap, scale=d**-0.5)
     got = jax.jit(functools.partial(fn, config=persistent))(q, k, v)
     want = jax.jit(functools.partial(fn, config=per_tile))(q, k, v)
     for x, y, name in zip(got, want, ("out", "lse"), strict=True):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -106,6 +108,30 @@ class Launch:
         section, rest = lax.div(i, per_section), lax.rem(i, per_section)
         return self.unravel(section, lax.div(rest, self.section), lax.rem(rest, self.section))
 
+    def tile_of(self, i: int) -> int:
+        """The tile index of the i-th block of the launch order (host side, Python ints)."""
+        return i % (self.tiles * self.section) // self.section
+
+    def walk(self, blocks: int, cost) -> np.ndarray:
+        """The tiles each of `blocks` persistent blocks walks when tiles differ (causal),
+        as the GPU hands a block per tile out: in launch order, each to the block that
+        frees first, a tile costing `cost(tile index)` (list scheduling, which the
+        launch order's heaviest-first tiles make near-even). int32 `[blocks, 1 + n]`:
+        row p holds block p's count, then its tiles' launch-order indices (0-padded).
+        Host side, at trace time: costs depend only on the tile index."""
+        costs = [cost(t) for t in range(self.tiles)]
+        free = [(0, p) for p in range(blocks)]  # (busy until, block): a heap
+        walks = [[] for _ in range(blocks)]
+        for i in range(self.items):
+            busy, p = heapq.heappop(free)
+            walks[p].append(i)
+            heapq.heappush(free, (busy + costs[self.tile_of(i)], p))
+        table = np.zeros((blocks, 1 + max(map(len, walks))), np.int32)
+        for p, walk in enumerate(walks):
+            table[p, 0] = len(walk)
+            table[p, 1 : 1 + len(walk)] = walk
+        return table
+
     def place(self):
         """(tile, head, batch index) of the running block (inside the kernel)."""
         names = ("section", "tiles", "member")
@@ -143,8 +169,9 @@ def clip(x, lo, hi):
 
 
 def floor_div(a, b: int):
-    """floor(a / b) for a >= 0, and 0 for a < 0 (all the callers clip at 0 anyway)."""
-    return lax.div(jnp.maximum(a, 0), b)
+    """floor(a / b) for a >= 0, and 0 for a < 0 (all the callers clip at 0 anyway); a
+    Python int for a Python int."""
+    return max(a, 0) // b if _static(a) else lax.div(jnp.maximum(a, 0), b)
 
 
 def slot_of(step, stages: int):

@@ -48,15 +48,18 @@ class MosaicForwardConfig:
         narrower step over its real keys; other calls mask the keys past Tk.
       num_stages: slots of the ring, 2 to 4: K/V blocks in flight ahead of the consumers.
       persistent: calls whose tiles are all alike (no causal mask, window, lengths or
-        packing) run one block per SM, each walking its share of the tiles: the producer
-        loads the next tile's keys and values under this tile's last steps, and each
-        consumer its next Q. O leaves through a Q-sized tile more of shared memory where
-        that fits (`out_tiles`: 128-key steps up to D128, 192-key steps at D64); else
-        (192-key steps at D128) through the rows of the last key block's K and V slots
-        past Tk, which its short step does not read (Tk not a multiple of 192), or
-        failing those through Q's buffer, the next Q loading once that copy has read it.
-        Other calls, and grids of at most one wave, launch a block per tile, which the
-        GPU hands out as SMs free up (causal tiles differ).
+        packing), or causal over a dense batch without a window and Tq <= Tk
+        (`forward.causal_walks`), run one block per SM, each walking its share of the
+        tiles (causal: a list dealt as the GPU hands out a block per tile, heaviest
+        first, `Launch.walk`): the producer loads the next tile's keys and values under
+        this tile's last steps, and each consumer its next Q. O leaves through a Q-sized
+        tile more of shared memory where that fits (`out_tiles`: 128-key steps up to
+        D128, 192-key steps at D64); else (192-key steps at D128) through the rows of
+        the last key block's K and V slots past Tk, which its short step does not read
+        (Tk not a multiple of 192, full attention), or failing those through Q's
+        buffer, the next Q loading once that copy has read it. Other calls (windows,
+        lengths, packing), and grids of at most one wave, launch a block per tile, which
+        the GPU hands out as SMs free up.
     """
 
     block_q: int = 64

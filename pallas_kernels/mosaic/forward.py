@@ -2,8 +2,10 @@
 specialization.
 
 A block computes `2 * block_q` query rows of one query head of one sequence (a tile); in
-the persistent form (full attention over more tiles than SMs), one block per SM computes
-tile after tile, its ring running on across them. O leaves through tiles of its own, or
+the persistent form (more tiles than SMs, of full attention or of causal attention over a
+dense batch), one block per SM computes tile after tile, its ring running on across them:
+alike tiles by stride, causal ones from a table dealt when the kernel is built as the GPU
+would hand out a block per tile (`Launch.walk`). O leaves through tiles of its own, or
 where those do not fit (192-key steps at D128) through the rows of the last key block's
 ring slots that lie past Tk, and each consumer loads its next tile's Q once its last S
 GEMM of this one is done; failing both (Tk a multiple of 192), O leaves through Q's
@@ -200,6 +202,7 @@ def _kernel(
     group: int,
     launch: Launch,
     persistent: int,
+    walks: bool,
     tail_keys: int,
     staging: OStaging,
     config: MosaicForwardConfig,
@@ -208,9 +211,12 @@ def _kernel(
     # (`sequence_lengths`); out [B, Tq, Hq, D]; lse [B, Hq, Tq] float32, natural log.
     # Packed (B = 1): the tile table instead of the lengths (`packed.tile_table`), and
     # after out and lse their tails [2S, rows, Hq, D] and [2S, Hq, rows] (`packed.py`).
-    # `persistent` (> 0): that many blocks, block p taking the tiles p, p + persistent, ...
-    # of the launch order (tiles all alike: `persistent_blocks`); 0: a block per tile.
+    # `persistent` (> 0): that many blocks (`persistent_blocks`), block p taking the tiles
+    # p, p + persistent, ... of the launch order where tiles are all alike, or (`walks`:
+    # causal tiles) those its row of the walks table `[persistent, 1 + n]` (`Launch.walk`,
+    # after the lengths) lists; 0: a block per tile.
     (q_ref, k_ref, v_ref), lengths_ref, rest = split_refs(refs, 3, has_lengths or packed)
+    walks_ref, rest = (rest[0], rest[1:]) if walks else (None, rest)
     out_ref, lse_ref, *tail_refs, smem, barriers = rest
     plgpu = load_plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2, *o_tiles = smem  # o_tiles: `staging.tiles`
@@ -230,10 +236,17 @@ def _kernel(
     wg = lax.axis_index("wg")
     if persistent:
         p = lax.axis_index("blocks")
-        count = lax.div(launch.items - 1 - p, persistent) + 1  # this block's tiles
+        if walks:
+            count = walks_ref[p, 0]  # this block's tiles
 
-        def item(k):  # this block's k-th tile in the launch order
-            return launch.item(p + k * persistent)
+            def item(k):  # this block's k-th tile
+                return launch.item(walks_ref[p, 1 + k])
+
+        else:
+            count = lax.div(launch.items - 1 - p, persistent) + 1
+
+            def item(k):
+                return launch.item(p + k * persistent)
 
     def work_of(place) -> _Work:
         t, h, b = place
@@ -306,8 +319,29 @@ def _kernel(
                 plgpu.barrier_wait(v_loaded.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_arrive(v_consumed.at[slot])
+                if not persistent:
+                    schedule_turn()
+                    schedule_turn()
+                    return
+                # As a step's two turns, the first arrived on at the last tile's end and
+                # the tile's last turn handed over early (`hand_over`).
+                pl.when(first_turn(step))(lambda: plgpu.barrier_arrive(schedule))
+                plgpu.barrier_wait(schedule)
                 schedule_turn()
-                schedule_turn()
+                pl.when(hand_over(step + 1, ring.hi))(lambda: plgpu.barrier_arrive(schedule))
+
+            def first_turn(step):
+                """Whether a ring step arrives on its first turn: in the persistent form
+                the tile's first step does not (its arrival was the last tile's
+                hand-over), but in the block's first tile."""
+                return (step != ring.first) | opening
+
+            def hand_over(nxt, last):
+                """Whether the step before `nxt` hands the turn over at the end of the
+                tile's last step (`last`: the tile's last ring step + 1), so that the
+                other consumer's GEMMs run under this one's epilogue (persistent form;
+                not in the block's last tile)."""
+                return (nxt == last) & (last == ring.hi) & jnp.logical_not(closing)
 
             def logits(qk, step, masked: bool):
                 if soft_cap is None:
@@ -360,7 +394,7 @@ def _kernel(
                 def qk_gemm(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                     if persistent:  # a tile's first turn was arrived on at the last one's end
-                        pl.when((step != my_lo) | opening)(lambda: plgpu.barrier_arrive(schedule))
+                        pl.when(first_turn(step))(lambda: plgpu.barrier_arrive(schedule))
                         plgpu.barrier_wait(schedule)
                     else:
                         schedule_turn()
@@ -383,8 +417,7 @@ def _kernel(
                     plgpu.wgmma(acc_ref, p16, v_tile)
                     nxt = step + 1
                     if persistent:  # the tile's last GEMM: hand the turn over for the epilogue
-                        last = (nxt == my_hi) & jnp.logical_not(closing)
-                        pl.when(last)(lambda: plgpu.barrier_arrive(schedule))
+                        pl.when(hand_over(nxt, my_hi))(lambda: plgpu.barrier_arrive(schedule))
 
                     @pl.when(nxt < my_hi)
                     def _():  # FA3 section 3.3 in small: wait for the next K under this GEMM
@@ -467,17 +500,19 @@ def _kernel(
         else:
             load_q(work_of(item(0)))
 
-            @pl.loop(0, count)
-            def _(k):
+            def tile(k, done):  # done: the ring steps of this block's tiles before k
                 def next_q():
                     pl.when(k + 1 < count)(lambda: load_q(work_of(item(k + 1))))
 
-                attend(work_of(item(k)), k * num_blocks, opening=k == 0,
-                       closing=k == count - 1,
+                w = work_of(item(k))
+                attend(w, done - w.ring.first, opening=k == 0, closing=k == count - 1,
                        next_q=next_q if next_q_early else None)  # fmt: skip
                 if not next_q_early:  # O left through Q's buffer: the next Q once its
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # copy has read it
                     next_q()
+                return done + (w.ring.hi - w.ring.first)
+
+            lax.fori_loop(0, count, tile, jnp.int32(0))
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -485,29 +520,37 @@ def _kernel(
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        def load(w: _Work, base, step, wait: bool):
+        def load(w: _Work, base, step, wait):
             """K then V of ring step `step` of tile `w` into slot `base + step`, each copy
-            once its own slot is free (`wait`): the next K can land while the consumers
-            still read this V."""
+            once its own slot is free (`wait`, a bool or traced): the next K can land
+            while the consumers still read this V."""
             slot = slot_of(base + step, stages)
             keys = pl.ds(w.tile.k_base + w.ring.block(step) * block_kv, block_kv)
             rows = (w.tile.batch, keys, w.kvh)
             for src, dst, loaded, consumed in ((k_ref, k_smem, k_loaded, k_consumed),
                                                (v_ref, v_smem, v_loaded, v_consumed)):  # fmt: skip
-                if wait:
+                if wait is True:
                     plgpu.barrier_wait(consumed.at[slot])
+                elif wait is not False:
+                    pl.when(wait)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
                 plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], loaded.at[slot])
 
         if not persistent:
             w = work_of(launch.place())
             produce(w.ring.first, w.ring.hi, stages, functools.partial(load, w, 0))
-        else:  # every tile's ring is steps [0, num_blocks): one run of global steps
+        else:  # the block's tiles' rings, one run of ring steps (the consumers' `done`)
 
-            def load_global(g, wait: bool):
-                k = lax.div(g, num_blocks)
-                load(work_of(item(k)), k * num_blocks, g - k * num_blocks, wait)
+            def tile(k, done):
+                w = work_of(item(k))
+                base = done - w.ring.first
 
-            produce(0, count * num_blocks, stages, load_global)
+                @pl.loop(w.ring.first, w.ring.hi)
+                def _(step):
+                    load(w, base, step, base + step >= stages)  # the first `stages`: free
+
+                return done + (w.ring.hi - w.ring.first)
+
+            lax.fori_loop(0, count, tile, jnp.int32(0))
 
 
 _STATIC = ("causal", "window", "sink_tokens", "soft_cap", "scale", "config")
@@ -651,7 +694,13 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
     ragged = lengths is not None  # lengths, or a packed batch's tile table
     alike = full_attention(options["causal"], options["window"], ragged)
-    blocks = persistent_blocks(config, launch, alike)
+    walked = causal_walks(options["causal"], options["window"], ragged, q_rows, k.shape[1])
+    blocks = persistent_blocks(config, launch, alike or walked)
+    walks = bool(blocks) and not alike  # causal: each block's tiles from a table
+    if walks:
+        cost = functools.partial(causal_tile_cost, config=config, q_rows=q_rows,
+                                 kv_rows=k.shape[1])  # fmt: skip
+        inputs += (jnp.asarray(launch.walk(blocks, cost)),)
     tail_keys = short_tail_keys(k.shape[1], config.block_kv, causal=options["causal"],
                                 window=options["window"], ragged=ragged)  # fmt: skip
     staging = o_staging(config, head_dim, jnp.dtype(dtype).itemsize, persistent=bool(blocks),
@@ -665,6 +714,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         group=group,
         launch=launch,
         persistent=blocks,
+        walks=walks,
         tail_keys=tail_keys,
         staging=staging,
         config=config,
@@ -692,12 +742,35 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     )(*inputs)
 
 
-def persistent_blocks(config: MosaicForwardConfig, launch: Launch, alike: bool, sms=None) -> int:
+def causal_walks(causal: bool, window, ragged: bool, q_rows: int, kv_rows: int) -> bool:
+    """Whether a causal call's tiles can be walked by persistent blocks (`Launch.walk`):
+    over a dense batch without a window, each tile's keys are known when the kernel is
+    built, and with Tq <= Tk every row sees a key (a consumer's tile ends on a step of
+    its own, where it loads its next Q)."""
+    return causal and window is None and not ragged and q_rows <= kv_rows
+
+
+TILE_COST_STEPS = 2  # a tile's fixed cost in ring steps, for `Launch.walk` (about 4.5 us
+# a tile against 1.8 us a 128-key step, H100 sweeps of 2026-11-26, bench/HISTORY.md)
+
+
+def causal_tile_cost(t: int, *, config: MosaicForwardConfig, q_rows: int, kv_rows: int) -> int:
+    """Dense causal tile `t`'s ring steps (tiles numbered heaviest first, as
+    `block_tile`'s), plus TILE_COST_STEPS: `Launch.walk`'s cost of it."""
+    row = (q_rows // config.rows - 1 - t) * config.rows
+    num_blocks = pl.cdiv(kv_rows, config.block_kv)
+    _, hi, _, _ = key_blocks(row, config.rows, q_len=q_rows, offset=kv_rows - q_rows,
+                             kv_len=None, causal=True, window=None, num_blocks=num_blocks,
+                             block_kv=config.block_kv)  # fmt: skip
+    return hi + TILE_COST_STEPS
+
+
+def persistent_blocks(config: MosaicForwardConfig, launch: Launch, walkable: bool, sms=None) -> int:
     """The blocks of a persistent launch (`MosaicForwardConfig.persistent`), one per SM
     (`sms`; None: the default device's count); 0, a block per tile, when the config does
-    not ask, the tiles differ (`alike` False), they fit in one wave, or the SM count is
-    unknown."""
-    if not (config.persistent and alike):
+    not ask, the tiles cannot be walked (`walkable` False: neither all alike nor
+    `causal_walks`), they fit in one wave, or the SM count is unknown."""
+    if not (config.persistent and walkable):
         return 0
     sms = device_sm_count(0) if sms is None else sms
     return sms if 0 < sms < launch.items else 0
