@@ -393,13 +393,13 @@ def test_launch_order(shape):
 
 
 def test_persistent_blocks():
-    """One block per SM for a persistent config over alike tiles of more than one wave;
-    else a block per tile."""
+    """One block per SM for a persistent config over walkable tiles (alike, or
+    `causal_walks`) of more than one wave; else a block per tile."""
     config, plain = MosaicForwardConfig.heuristic(128), MosaicForwardConfig()
     many, few = Launch(32, 32, 1, 4), Launch(4, 8, 2, 2)  # 1024 and 64 tiles
     assert persistent_blocks(config, many, True, sms=132) == 132
     assert persistent_blocks(config, many, True, sms=114) == 114
-    assert persistent_blocks(config, many, False, sms=132) == 0  # causal, lengths, ...
+    assert persistent_blocks(config, many, False, sms=132) == 0  # lengths, windows, ...
     assert persistent_blocks(plain, many, True, sms=132) == 0
     assert persistent_blocks(config, few, True, sms=132) == 0  # one wave
     assert persistent_blocks(config, many, True, sms=0) == 0  # count unknown
@@ -417,29 +417,55 @@ def test_causal_walks():
     assert not causal_walks(False, None, False, 4096, 4096)
 
 
+@pytest.mark.parametrize("block_kv", [64, 128, 192])
+@pytest.mark.parametrize("tq, tk", [(1024, 1024), (640, 2048), (1280, 1344), (768, 832)])
+def test_causal_walk_steps(tq, tk, block_kv):
+    """Under `causal_walks` every consumer of every tile computes a step and passes over
+    none before its first (`my_lo == ring.first < my_hi`: the kernel's hand-over and
+    next-Q load rely on it), and `causal_tile_cost` is the tile's ring (the kernel's
+    `key_ring` over both consumers) plus TILE_COST_STEPS; against brute force too."""
+    assert causal_walks(True, None, False, tq, tk)
+    config = MosaicForwardConfig(64, block_kv, 2, persistent=True)
+    num_blocks = -(-tk // block_kv)
+    tiles = tq // config.rows
+    for t in range(tiles):
+        row = (tiles - 1 - t) * config.rows  # heaviest first, as `block_tile` numbers them
+
+        def blocks_of(consumer, row=row):
+            return key_blocks(row + 64 * consumer, 64, q_len=tq, offset=tk - tq, kv_len=None,
+                              causal=True, window=None, num_blocks=num_blocks,
+                              block_kv=block_kv)  # fmt: skip
+
+        ring = key_ring(blocks_of, window=None, sink_tokens=0, block_kv=block_kv)
+        for consumer in (0, 1):
+            my_lo, my_hi, _, _ = consumer_steps(ring, blocks_of(consumer))
+            assert my_lo == ring.first < my_hi <= ring.hi
+        last = row + config.rows - 1 + tk - tq  # the tile's last position sees keys <= it
+        assert ring.hi - ring.first == -(-(last + 1) // block_kv)
+        cost = causal_tile_cost(t, config=config, q_rows=tq, kv_rows=tk)
+        assert cost == ring.hi - ring.first + TILE_COST_STEPS
+
+
 @pytest.mark.parametrize("shape", [(4096, 4096, 1), (2048, 2048, 8), (2560, 2624, 1),
                                    (640, 2048, 3), (16384, 16384, 1)])  # fmt: skip
 def test_causal_walk_table(shape):
     """`Launch.walk` over causal tiles: every tile of the launch order exactly once, each
     block's in launch order, and as even as list scheduling makes it (no block busier
-    than the least busy by more than one tile's cost); a tile's cost is its key blocks
-    that some row sees (brute force) plus the fixed TILE_COST_STEPS."""
+    than the least busy by more than one tile's cost); `tile_of` is the kernel's
+    `Launch.item` tile."""
     tq, tk, batch = shape
     config = MosaicForwardConfig.heuristic(128)
     launch = Launch(32, tq // config.rows, batch, 4)
-    cost = functools.partial(causal_tile_cost, config=config, q_rows=tq, kv_rows=tk)
-    for t in range(launch.tiles):
-        row = (launch.tiles - 1 - t) * config.rows  # heaviest first
-        last = row + config.rows - 1 + tk - tq  # the tile's last position sees keys <= it
-        assert cost(t) == -(-(last + 1) // config.block_kv) + TILE_COST_STEPS
-    table = launch.walk(132, cost)
+    costs = [causal_tile_cost(t, config=config, q_rows=tq, kv_rows=tk) for t in range(launch.tiles)]
+    tiles, _, _ = launch.item(jnp.arange(launch.items, dtype=jnp.int32))
+    assert [launch.tile_of(i) for i in range(launch.items)] == np.asarray(tiles).tolist()
+    table = launch.walk(132, costs.__getitem__)
     counts = table[:, 0]
     walks = [list(table[p, 1 : 1 + n]) for p, n in enumerate(counts)]
     assert sorted(i for w in walks for i in w) == list(range(launch.items))
     assert all(w == sorted(w) for w in walks)
-    busy = [sum(cost(launch.tile_of(i)) for i in w) for w in walks]
-    assert max(busy) - min(busy) <= cost(0)
-    assert launch.tile_of(0) == 0 and launch.tile_of(launch.items - 1) == launch.tiles - 1
+    busy = [sum(costs[launch.tile_of(i)] for i in w) for w in walks]
+    assert max(busy) - min(busy) <= max(costs)
 
 
 PERSISTENT_LOWERED = [  # (Tk, D, block_kv, stages): where O is staged
@@ -452,6 +478,8 @@ PERSISTENT_LOWERED = [  # (Tk, D, block_kv, stages): where O is staged
     (4096, 256, 64, 2),  # Q's buffer
     (4096, 128, 128, 2, True),  # causal: blocks walk a table
     (4160, 128, 128, 2, True),  # causal, consumer 0 passing over each tile's last step
+    (4096, 128, 192, 2, True),  # causal, 192-key steps: O through Q's buffer
+    (4096, 64, 64, 3, True),
 ]
 
 

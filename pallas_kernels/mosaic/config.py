@@ -18,8 +18,8 @@ SPLIT_HEAD_DIM = 128
 def full_attention(causal: bool, window, ragged: bool = False) -> bool:
     """Every query row sees every key: no causal mask, no window and (`ragged`: lengths
     or packing) no padding. `MosaicForwardConfig.heuristic`'s `full` is this of a dense
-    or length-padded call; its persistent form and short last step need it of a dense
-    batch."""
+    or length-padded call; the short last step needs it of a dense batch, and so does
+    the persistent form but for causal calls (`forward.causal_walks`)."""
     return not causal and window is None and not ragged
 
 

@@ -23,8 +23,9 @@ keys. A block runs three warpgroups (FlashAttention-3, Shah et al. 2024):
   from registers). A two-party "schedule" barrier makes them take turns on the tensor
   cores: one's softmax overlaps the other's GEMMs (section 3.2, ping-pong scheduling).
   In the persistent form a consumer hands its next tile's first turn over as soon as its
-  tile's last P V GEMM is issued, so that the other consumer's GEMMs run under its
-  epilogue (FlashAttention-3 too hands the turn over before its epilogue).
+  tile's last P V GEMM is issued (or after the steps it passes over past its own), so
+  that the other consumer's GEMMs run under its epilogue (FlashAttention-3 too hands the
+  turn over before its epilogue).
   Each consumer waits for its next K block while its P V GEMM is in flight: a small part
   of section 3.3. Its full intra-warpgroup overlap (block j's S GEMM issued with block
   j-1's P V GEMM, the softmax under the latter) was tried: level on full attention and
@@ -402,8 +403,9 @@ def _kernel(
 
                 qk = pl.run_scoped(qk_gemm, plgpu.ACC((block_q, keys), jnp.float32))
                 release(k_consumed, slot, keys, buf=K_SLOT)
-                if next_q is not None:  # Q is read: the next tile's may land (persistent
-                    # tiles are alike and see every block: my_hi > my_lo, so this runs)
+                if next_q is not None:  # Q is read: the next tile's may land (every
+                    # consumer of a persistent tile sees a block, full attention or
+                    # `causal_walks`' Tq <= Tk: my_hi > my_lo, so this runs)
                     pl.when(step == my_hi - 1)(next_q)
                 m_new, alpha, p, l = softmax(qk, step, masked, m, l)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -470,8 +472,8 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_smem, lses.at[seq, w.h, pl.ds(rows, block_q)])
 
             if spare:  # O in the last block's spare rows; their slot freed after the copy
-                # Persistent tiles are alike: every one ends on the short step, whose
-                # bounds are Python ints.
+                # Full attention (a short step is full attention's): every tile ends on
+                # the short step, whose bounds are Python ints.
                 assert (my_lo, full_hi, my_hi) == (0, num_blocks - 1, num_blocks)
                 last = slot_of(base + my_hi - 1, stages)
                 for c, (buf, row) in enumerate(spare):
