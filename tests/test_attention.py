@@ -260,6 +260,7 @@ EMPTY_AXES = {
 
 @impls
 @pytest.mark.parametrize("name", EMPTY_AXES)
+@pytest.mark.every_case
 def test_empty_static_axes(name, impl):
     """A static token axis of size 0: zeros / lse -inf (or a ValueError naming the argument)."""
     packed, q_shape, kv_shape, cu_q, cu_k = EMPTY_AXES[name]

@@ -106,6 +106,7 @@ def test_release_frees_a_shared_page_with_its_last_holder():
         ([S, 0], [3, 4], "source id >= max_seqs"),
     ],
 )
+@pytest.mark.every_case
 def test_failed_fork_changes_nothing(src, dst, why):
     mgr, ok = RESERVE(new_manager(), ids([0, 1, 2]), ids([13, 13, 6]))  # 10 pages, 3 partial
     assert bool(ok) and int(mgr.num_free_pages) == 2
@@ -221,6 +222,7 @@ def ring_manager(num_pages: int = N) -> KVCacheManager:
         (30, 1, [1, 2, 3]),  # wrapped
     ],
 )
+@pytest.mark.every_case
 def test_ring_fork_shares_full_sink_pages_and_copies_the_ring(length, shared, copied):
     mgr, ok = RESERVE(ring_manager(), ids([0]), ids([length]))
     assert bool(ok)
@@ -514,6 +516,7 @@ def test_identity_indirection_changes_nothing():
         ((2, 2, 16), jnp.float32, "cache_indirection.dtype=float32"),
     ],
 )
+@pytest.mark.every_case
 def test_bad_indirection_raises(shape, dtype, match):
     sds = jax.ShapeDtypeStruct
     pages = sds((20, HKV, PAGE, D), jnp.float32)
@@ -532,6 +535,7 @@ def test_bad_indirection_raises(shape, dtype, match):
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.every_case
 def test_indirection_lowers_to_triton(monkeypatch, num_splits):
     """Interpret mode does not run the Triton lowering (see test_triton_lowering)."""
     monkeypatch.setenv("JAXATTN_INTERPRET", "0")

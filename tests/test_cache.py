@@ -221,6 +221,7 @@ CACHE = jax.eval_shape(lambda: PagedKVCache.create(N, P, HKV, D, jnp.float32))
         ((5, HKV * D), (5, HKV * D), (5,), "k.shape=(5, 16)"),
     ],
 )
+@pytest.mark.every_case
 def test_write_kv_rejects_bad_shapes(k, v, slots, match):
     args = (SDS(k, jnp.float32), SDS(v, jnp.float32), SDS(slots, jnp.int32))
     with pytest.raises(ValueError, match=re.escape(match)):
@@ -228,6 +229,7 @@ def test_write_kv_rejects_bad_shapes(k, v, slots, match):
 
 
 @pytest.mark.parametrize("name", ["num_pages", "page_size", "num_kv_heads", "head_dim"])
+@pytest.mark.every_case
 def test_create_rejects_zero_sizes(name):
     sizes = dict(num_pages=N, page_size=P, num_kv_heads=HKV, head_dim=D) | {name: 0}
     with pytest.raises(ValueError, match=f"{name}=0"):
@@ -235,6 +237,7 @@ def test_create_rejects_zero_sizes(name):
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int32])
+@pytest.mark.every_case
 def test_unquantized_pools_hold_floats(dtype):
     """Integer pools without scales would truncate every value written to them."""
     with pytest.raises(ValueError, match="quant=KVQuant"):
@@ -277,6 +280,7 @@ def test_corrupt_page_ids_read_inside_the_pool_and_are_reported():
     [(jnp.float32, jnp.float16, jnp.int32), (jnp.float32, jnp.float32, jnp.float32)],
     ids=["kv_dtype_mix", "float_slots"],
 )
+@pytest.mark.every_case
 def test_write_kv_rejects_dtype_mix(k_dtype, v_dtype, slot_dtype):
     cache = jaxattn.PagedKVCache.create(4, 4, 1, 8, dtype=jnp.float32)
     k = jnp.ones((2, 1, 8), k_dtype)

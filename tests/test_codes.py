@@ -78,6 +78,7 @@ def test_every_int4_code_converts_exactly_biased():
 
 
 @pytest.mark.parametrize("dtype", list(STORAGE))
+@pytest.mark.every_case
 def test_packed_conversion_lowers_to_triton(dtype):
     spec = jax.ShapeDtypeStruct((ROWS, COLS), STORAGE[dtype])
     fn = jax.jit(functools.partial(convert, dtype=dtype, asm=True, interpret=False))
@@ -151,6 +152,7 @@ def test_every_int4_code_converts_exactly_from_words_biased():
 
 
 @pytest.mark.parametrize("dtype", list(WORD_DTYPES))
+@pytest.mark.every_case
 def test_packed_word_conversion_lowers_to_triton(dtype):
     spec = as_words(dtype)
     spec = jax.ShapeDtypeStruct(spec.shape, spec.dtype)

@@ -170,6 +170,7 @@ def test_split_k_matches_single_pass(splits):
         (32, 64, (64, 1, 4, 3)),  # too short to split
     ],
 )
+@pytest.mark.every_case
 def test_decode_heuristic_tilings(batch, context, want):
     """The H100 choices documented in `PagedDecodeConfig.heuristic` (8 kv heads, 132 SMs)."""
     config = jaxattn.PagedDecodeConfig.heuristic(batch, 8, context, 16, sm_count=132)
@@ -190,6 +191,7 @@ def test_decode_heuristic_tilings(batch, context, want):
         (256, 2048, "float8_e4m3fn", (128, 2, 4, 4), (128, 2, 4, 3)),
     ],
 )
+@pytest.mark.every_case
 def test_decode_heuristic_tilings_quantized(batch, context, code, want, want_rows):
     """Quantized caches: 128-token blocks in 3 stages, split at least in two, into one
     wave of two programs an SM; with a scale per token row about two programs an SM;
@@ -229,6 +231,7 @@ def test_decode_heuristic_int4_splits_need_half_words():
         ("int4", 0, (128, 4, 3)),
     ],
 )
+@pytest.mark.every_case
 def test_decode_heuristic_group_sizes(code, group_size, want):
     """With >= one program per SM (B64, 8 kv heads) the group size picks the tiling; with
     fewer (B8) every format and group size runs 128-token blocks in 3 stages."""
@@ -242,6 +245,7 @@ def test_decode_heuristic_group_sizes(code, group_size, want):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.every_case
 def test_decode_heuristic_small_heads(head_dim):
     """Head dims up to 64, quantized caches of every format and layout: at most 8 query
     rows (16 ran 2.5-4.5x slower at D 64), no stacked rows; 64-token blocks in 2 warps
@@ -342,6 +346,7 @@ def test_decode_heuristic_int4_keys_as_words():
 
 
 @pytest.mark.parametrize("batch, context", [(64, 16384), (8, 8192)])
+@pytest.mark.every_case
 def test_decode_heuristic_query_rows(batch, context):
     """Query rows padded to 8 for INT4 with group scales and 8-bit groups of 8, 16 or 64;
     to 16 otherwise (`few_rows`); but INT4 groups of 16, K read as half-words, to 4."""
@@ -637,6 +642,7 @@ def test_stacked_rows_low_precision_soft_cap(quant, dtype):
      jaxattn.KVQuant("int4", "group", None), jaxattn.KVQuant("int8", "group", 8)],
     ids=str,
 )  # fmt: skip
+@pytest.mark.every_case
 def test_quantized_decode_shipped_tiling(quant):
     """The tiling the heuristic picks at head dim 128 (128-token blocks, V read as words,
     query rows padded to 8; INT4 groups of 32: stacked rows, 4) against the float64
@@ -657,6 +663,7 @@ def test_quantized_decode_shipped_tiling(quant):
 @pytest.mark.parametrize(
     "quant", [jaxattn.KVQuant("int8", "group", 8), jaxattn.KVQuant("int4", "group", 8)], ids=str
 )
+@pytest.mark.every_case
 def test_v_words_view_is_no_copy(quant):
     """On the GPU the word view of a V pool (int32 of 8-bit codes, int16 of INT4 bytes) is
     a bitcast: the compiled decode call holds no temporary near the pool's size."""
@@ -969,6 +976,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", BAD)
+@pytest.mark.every_case
 def test_bad_input_raises_at_trace_time(name):
     case = Case("bad", lengths=(3, 9))
     q, cache, tables, lengths, *_ = _build(case, "float32", 2)

@@ -357,6 +357,7 @@ BAD = {
 @pytest.mark.parametrize("op", ["attention", "ragged_attention", "paged_decode",
                                 "paged_attention"])  # fmt: skip
 @pytest.mark.parametrize("bad", BAD)
+@pytest.mark.every_case
 def test_bad_output_options_raise_at_trace_time(op, bad):
     call = _ops()[op]
     options, match = BAD[bad]
@@ -383,6 +384,7 @@ def test_output_dtype_options_that_mean_the_default():
 
 @impls
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.every_case
 def test_fp8_output_is_not_differentiable(impl, packed):
     skip_without_fp8_kernels(impl)
     rng = util.rng_for("fp8_grad", packed)
@@ -403,6 +405,7 @@ def test_fp8_output_is_not_differentiable(impl, packed):
 
 
 @pytest.mark.parametrize("capability, supported", [("8.0", False), ("8.9", True), ("9.0", True)])
+@pytest.mark.every_case
 def test_old_gpus_fall_back_to_xla(monkeypatch, capability, supported):
     """Triton converts to e4m3 on sm_89+ only: on an older GPU "pallas" raises
     NotImplementedError at trace time, so ["pallas", "xla"] (the GPU default) runs xla."""

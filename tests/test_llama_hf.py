@@ -97,6 +97,7 @@ def forward(model, tokens, lengths):
     return model(tokens, q_lengths=lengths)
 
 
+@pytest.mark.every_case
 def test_config_from_hf(models):
     hf, model = models
     config = model.config
@@ -111,6 +112,7 @@ def test_config_from_hf(models):
 @pytest.mark.parametrize("kind", [dict(rope_type="yarn", factor=4.0),
                                   dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                        high_freq_factor=4.0)], ids=["yarn", "llama3"])  # fmt: skip
+@pytest.mark.every_case
 def test_config_json_top_level_original_context(kind):
     """A config.json's own `original_max_position_embeddings` takes precedence over
     `max_position_embeddings` for yarn and llama3, as transformers reads it (the dict had
@@ -128,6 +130,7 @@ def test_config_json_top_level_original_context(kind):
 
 
 @pytest.mark.parametrize("where", ["top", "rope_parameters"])
+@pytest.mark.every_case
 def test_config_refuses_partial_rotary(where):
     """Partial rotary is not this model's: refused wherever the config puts it (4.x
     configs keep it at the top level, 5.x in `rope_parameters`)."""

@@ -226,6 +226,7 @@ def test_reserve_never_shrinks_and_grows_in_place():
         ([0, S], [1, 1], "seq id >= max_seqs"),
     ],
 )
+@pytest.mark.every_case
 def test_failed_reserve_changes_nothing(seq_ids, lengths, why):
     mgr, ok = RESERVE(new_manager(), ids([3]), lens([4]))
     assert bool(ok)
@@ -322,6 +323,7 @@ SDS = jax.ShapeDtypeStruct
 
 @pytest.mark.parametrize("name", ["num_pages", "page_size", "max_seqs", "max_pages_per_seq"])
 @pytest.mark.parametrize("value", [0, -2, 1.5, 4.0, True])
+@pytest.mark.every_case
 def test_create_rejects_bad_sizes(name, value):
     """Sizes are positive ints: 4.0 had passed this check and failed later in jnp.full with
     a message naming no argument, and True had counted as 1."""
@@ -331,6 +333,7 @@ def test_create_rejects_bad_sizes(name, value):
 
 
 @pytest.mark.parametrize("window", [True, 2.0, 0])
+@pytest.mark.every_case
 def test_create_rejects_a_window_that_is_no_positive_int(window):
     """window=True had made a ring of one token."""
     with pytest.raises(ValueError, match="window="):
@@ -355,6 +358,7 @@ def test_create_rejects_int32_overflow():
         ("slot_mapping", (SDS((4,), jnp.int32), SDS((4,), jnp.bool_)), "positions.dtype=bool"),
     ],
 )
+@pytest.mark.every_case
 def test_bad_arguments_fail_at_trace_time(method, args, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         jax.eval_shape(getattr(KVCacheManager, method), new_manager(), *args)
@@ -380,6 +384,7 @@ BIG = 2**32 + 1  # numpy's default int64; jax with 64-bit mode off would wrap it
     ],
     ids=["release", "reserve", "slot_mapping", "pad_ids"],
 )
+@pytest.mark.every_case
 def test_int64_host_values_past_int32_are_an_error(call):
     """Id 2**32 + 1 had released live sequence 1, mapped into its pages, and a length of
     2**32 + 5 had reserved 5 tokens: host integers outside int32 now raise."""
@@ -396,6 +401,7 @@ def test_int64_host_values_past_int32_are_an_error(call):
     ],
     ids=["reserve", "release", "slot_mapping"],
 )
+@pytest.mark.every_case
 def test_uint32_device_values_past_int32_are_an_error(call):
     """A uint32 JAX array (allowed with 64-bit mode off) of a length 3e9 had reserved
     nothing and reported success, and id 2**32 - 1 had wrapped to -1 (padding): values

@@ -95,6 +95,7 @@ def test_auto_takes_mosaic_on_hopper_only():
         (dict(k_shape=(2, 520, 2, 128)), "Tk=520"),
     ],
 )
+@pytest.mark.every_case
 def test_uncovered_calls_fall_back_or_raise(change, reason):
     assert _backend(**change) == "triton"
     forced = jaxattn.FlashPrefillConfig(backend="mosaic")
@@ -554,6 +555,7 @@ LOWP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.every_case
 def test_kernel_matches_oracle(case, dtype):
     b, tq, tk, hq, hkv, d, causal, window, cap = case
     rng = util.rng_for("mosaic", case, dtype)
@@ -578,6 +580,7 @@ TILINGS = [MosaicForwardConfig(64, 64, n) for n in (2, 3, 4)] + [
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("config", TILINGS, ids=str)
+@pytest.mark.every_case
 def test_kernel_tilings(config, causal):
     rng = util.rng_for("mosaic tilings", config, causal)
     q = util.randn(rng, (1, 512, 4, 128), "bfloat16")
@@ -628,6 +631,7 @@ PERSISTENT_CAUSAL_CASES = [  # as PERSISTENT_CASES, causal: blocks walk `Launch.
     [(c, False) for c in PERSISTENT_CASES] + [(c, True) for c in PERSISTENT_CAUSAL_CASES],
     ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else ("causal" if c else "full"),
 )
+@pytest.mark.every_case
 def test_persistent_matches_per_tile(case, causal):
     """The persistent form computes each tile as the per-tile launch does (which the
     oracle tests check): bit for bit, out and lse, whichever block takes the tile."""
@@ -650,6 +654,7 @@ def test_persistent_matches_per_tile(case, causal):
 
 @hopper_only
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.every_case
 def test_long_full_attention_matches_oracle(d):
     """The tiling the heuristic gives long full attention (192-key steps), chosen by
     `jaxattn.attention`, with a last key block a third full (Tk = 11 blocks of 192 + 64:

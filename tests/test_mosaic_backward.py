@@ -80,6 +80,7 @@ def test_auto_takes_mosaic_on_hopper_only():
         ),
     ],
 )
+@pytest.mark.every_case
 def test_uncovered_calls_fall_back_or_raise(change, reason):
     config = change.pop("config", jaxattn.FlashBackwardConfig())
     assert _select(config, **change) is None
@@ -347,6 +348,7 @@ def _check(case, dtype, grads, inputs):
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.every_case
 def test_backward_matches_oracle(case, dtype):
     *_, causal, window, cap = case
     inputs = _case_inputs(case, dtype)
@@ -368,6 +370,7 @@ def test_backward_matches_oracle(case, dtype):
     ],
     ids=lambda x: str(x) if isinstance(x, MosaicBackwardConfig) else "-".join(map(str, x)),
 )
+@pytest.mark.every_case
 def test_backward_tilings(config, case):
     *_, causal, window, cap = case
     inputs = _case_inputs(case, "bfloat16")

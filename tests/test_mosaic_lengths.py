@@ -173,6 +173,7 @@ def test_kernels_lower_for_cuda_with_lengths(case):
 @pytest.mark.parametrize("poison", ["nan", "huge"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.every_case
 def test_forward_with_lengths_matches_oracle(case, dtype, poison):
     """NaN padding rows of q die with their own rows; huge finite ones would see keys and
     get a finite lse: both must end as zeros and -inf."""
@@ -198,6 +199,7 @@ def _check_grads(case, dtype, grads, clean, lengths):
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.every_case
 def test_backward_with_lengths_matches_oracle(case, dtype):
     """dq, dk, dv with an lse cotangent, on the forward's residuals with their padding rows
     poisoned too (NaN out, NaN lse): the backward must not trust them."""

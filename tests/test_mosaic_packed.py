@@ -242,6 +242,7 @@ def _check(case, dtype, out, lse, clean, cu):
 @pytest.mark.parametrize("poison", ["nan", "huge"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{len(c[8])}")
+@pytest.mark.every_case
 def test_packed_forward_matches_oracle(case, dtype, poison):
     clean, bad, cu = _inputs(case, dtype, poison)
     out, lse = jax.jit(functools.partial(mosaic_forward_packed, **_opts(case)))(*bad, *cu)
@@ -273,6 +274,7 @@ def _grad_inputs(case, dtype):
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{len(c[8])}")
+@pytest.mark.every_case
 def test_packed_backward_matches_oracle(case, dtype):
     """dq, dk, dv with an lse cotangent against the float64 per-sequence oracle; padding
     past the last sequence NaN (inputs, out, lse, cotangents) gets zero gradients, and no

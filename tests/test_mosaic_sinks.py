@@ -133,6 +133,7 @@ def _check_out(out, lse, want, want_lse, lowp_ref, dtype, keyless):
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", DENSE, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.every_case
 def test_dense_forward_and_backward_match_oracle(case, dtype):
     opts = _dense_opts(case)
     q, k, v, g_out, g_lse = _dense_inputs(case, dtype)
@@ -160,6 +161,7 @@ LENGTHS = [
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case, sinks", LENGTHS, ids=lambda c: str(c))
+@pytest.mark.every_case
 def test_lengths_match_oracle(case, sinks, dtype):
     """q/kv lengths with NaN in every padding row and key (and in the residuals' padding
     rows for the backward): the sinks are each sequence's first keys."""
@@ -196,6 +198,7 @@ PACKED = [
 @hopper_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case, sinks", PACKED, ids=lambda c: str(c))
+@pytest.mark.every_case
 def test_packed_match_oracle(case, sinks, dtype):
     """Packed sequences from unaligned starts: each one's sinks are its own first keys
     (not the array's); NaN past the last sequence."""

@@ -234,6 +234,7 @@ def test_bad_calls_name_the_problem():
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])
+@pytest.mark.every_case
 def test_serving_over_a_mismatched_cache_names_it(fused_qkv):
     """A cache of 3 kv heads for a layer of 2 (fused: the op would have split the
     projection by 3 and run, o_proj then failing on a shape), or of another head dim."""

@@ -53,6 +53,7 @@ def test_notebook_runs(path: pathlib.Path, tmp_path: pathlib.Path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.every_case
 def test_notebook_is_stripped(path: pathlib.Path):
     """No outputs or execution counts in the repository: diffs stay small and readable."""
     nb = nbformat.read(path, as_version=4)

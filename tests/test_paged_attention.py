@@ -885,6 +885,7 @@ def test_plan_of_another_page_size_is_rejected():
          r"block_tables\[0\] does not hold positions up to 8"),
     ],
 )  # fmt: skip
+@pytest.mark.every_case
 def test_from_lists_overflow_names_the_bucket(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxattn.AttentionMetadata.from_lists(
@@ -1090,6 +1091,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", BAD)
+@pytest.mark.every_case
 def test_bad_input_raises_naming_the_argument(name):
     """Clear ValueErrors at trace time (or when building the config), naming the argument."""
     make, match = BAD[name]

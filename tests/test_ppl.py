@@ -149,6 +149,7 @@ def test_oracle_int4_packing_matches_the_library_convention():
 
 
 @pytest.mark.parametrize("quant_bit", [8, 4])
+@pytest.mark.every_case
 def test_oracle_quantization(quant_bit):
     x = (np.random.default_rng(1).standard_normal((7, 2, 16)) * 3).astype(np.float16)
     x[0, 0, :8] = 0  # an all-zero group: the scale is fp16's smallest normal
@@ -442,6 +443,7 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("mode, override, match", [pytest.param(*e[1:], id=e[0]) for e in ERRORS])
+@pytest.mark.every_case
 def test_rejects_at_trace_time(mode, override, match):
     case = error_case(mode)
     with pytest.raises(ValueError, match=match):
@@ -466,12 +468,14 @@ def with_kvlen(case, b, kvlen):
 
 
 @pytest.mark.parametrize("cache_mode", [0, 1])
+@pytest.mark.every_case
 def test_check_inputs_accepts_valid_steps(cache_mode):
     check_inputs(case_for("check", cache_mode=cache_mode))
     check_inputs(case_for("check2", cache_mode=cache_mode, quant_bit=4, dtype="float16"))
 
 
 @pytest.mark.parametrize("cache_mode", [0, 1])
+@pytest.mark.every_case
 def test_check_inputs_rejects_non_monotone_seqstarts(cache_mode):
     case = case_for("check", cache_mode=cache_mode)
     case.seqstarts[1], case.seqstarts[2] = case.seqstarts[2], case.seqstarts[1]
@@ -509,6 +513,7 @@ def test_check_inputs_rejects_start_pos_other_than_the_cached_keys():
 
 
 @pytest.mark.parametrize("cache_mode", [0, 1])
+@pytest.mark.every_case
 def test_check_inputs_sees_int64_offsets_before_they_wrap(cache_mode):
     """int64 offsets (the definition's type) past int32 would wrap when the op takes them as
     int32 (here back onto a valid row): check_inputs looks at them as given."""

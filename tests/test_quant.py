@@ -184,6 +184,7 @@ def test_group_ties_round_to_even_under_jit(dtype, groups):
 
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("s", [0.40625, 1.1015625, 0.013671875])
+@pytest.mark.every_case
 def test_fp8_group_ties_round_to_even_under_jit(s, groups):
     """Every midpoint of the e4m3fn grid (times a bf16 scale) goes to its even neighbour
     through a jitted `quantize` with group scales (one group a row too, where XLA
@@ -205,6 +206,7 @@ def test_fp8_group_ties_round_to_even_under_jit(s, groups):
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["int", "fp8"])
 @pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.every_case
 def test_quotient_rounds_exactly_from_an_approximate_one(scale_dtype, fp8):
     """The rounding `quantize` applies to `x / s` (group scales) is exact even when the
     division that gave `y` was an ulp or two off either way (as XLA's may be on GPU): ties
@@ -258,6 +260,7 @@ def test_round_trip_error_bounds(quant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.every_case
 def test_saturation(dtype):
     quant = KVQuant(dtype)
     scale = jnp.float32(0.001)
@@ -453,6 +456,7 @@ def test_donated_quantized_write_is_in_place_and_equal(quant):
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=qid)
+@pytest.mark.every_case
 def test_create_layout(quant):
     cache = PagedKVCache.create(N, P, HKV, D, quant=quant)
     dp, g = quant.packed_dim(D), quant.num_groups(D)
@@ -548,6 +552,7 @@ def test_paged_decode_reference_on_quantized_cache(quant):
         (dict(dtype="int8", granularity="group", group_size=True), "group_size=True"),
     ],
 )
+@pytest.mark.every_case
 def test_kvquant_rejects_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         KVQuant(**kwargs)
@@ -568,6 +573,7 @@ def test_kvquant_rejects_bad_config(kwargs, match):
         ("int8", 16, {}, "quant='int8'"),
     ],
 )
+@pytest.mark.every_case
 def test_create_rejects_bad_quant(quant, head_dim, kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         PagedKVCache.create(N, P, HKV, head_dim, quant=quant, **kwargs)
@@ -618,6 +624,7 @@ def _sds_cache(quant, k_scales, v_scales, pool=(N, HKV, P, D)):
     ],
     ids=["tensor_shape", "group_count", "missing", "group_dtype", "pool_dtype"],
 )
+@pytest.mark.every_case
 def test_write_and_gather_reject_bad_scales(cache, match):
     k = SDS((3, HKV, D), jnp.float32)
     with pytest.raises(ValueError, match=re.escape(match)):

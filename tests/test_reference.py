@@ -155,6 +155,7 @@ def test_alibi_slopes_non_power_of_two_by_hand():
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 6, 7, 12, 16, 24, 40, 64, 80, 96])
+@pytest.mark.every_case
 def test_alibi_slopes_vs_bloom(num_heads):
     got = jaxattn.alibi_slopes(num_heads)
     assert got.shape == (num_heads,) and got.dtype == np.float32
@@ -162,6 +163,7 @@ def test_alibi_slopes_vs_bloom(num_heads):
 
 
 @pytest.mark.parametrize("num_heads", [0, -3])
+@pytest.mark.every_case
 def test_alibi_slopes_rejects_non_positive(num_heads):
     with pytest.raises(ValueError, match="num_heads"):
         jaxattn.alibi_slopes(num_heads)

@@ -260,6 +260,7 @@ def _rope(name, style="neox", rotary_dim=None) -> RoPE:
 @pytest.mark.parametrize("head_dim, rotary_dim", HEAD_DIMS, ids=lambda v: str(v))
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.every_case
 def test_apply_rope_vs_hf_oracle(scaling, style, head_dim, rotary_dim):
     rope = _rope(scaling, style, rotary_dim)
     rng = util.rng_for("rope", scaling, style, head_dim, rotary_dim)
@@ -279,6 +280,7 @@ def test_apply_rope_vs_hf_oracle(scaling, style, head_dim, rotary_dim):
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.every_case
 def test_token_rotations_vs_hf_oracle(scaling, style):
     """The decode kernel's form `x * cos + x[partner] * sin` (tables per token) against
     the same oracle, tight in float32 (the angles are `apply_rope`'s); pass-through
@@ -299,6 +301,7 @@ def test_token_rotations_vs_hf_oracle(scaling, style):
 
 @pytest.mark.parametrize("dim", [64, 128, 80, 32])
 @pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.every_case
 def test_inv_freq_vs_hf(scaling, dim):
     rope = _rope(scaling)
     lengths = [None, 100, 2048, 2049, 10_000, MAX_POSITION] if "dynamic" in scaling else [None]
@@ -410,6 +413,7 @@ def test_config_is_hashable_static():
 # ---------------------------------------------------------------------- properties
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.every_case
 def test_norm_preserved(scaling, style):
     """A rotation: each head's rotary part keeps its norm (times YaRN's factor)."""
     rope = _rope(scaling, style, rotary_dim=48)
@@ -427,6 +431,7 @@ def test_norm_preserved(scaling, style):
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.every_case
 def test_dot_depends_on_relative_position_only(scaling, style):
     """<rope(q, m), rope(k, n)> is a function of m - n (RoFormer, eq. 16); for dynamic NTK at
     a fixed seq_len (its frequencies depend on the length)."""
@@ -501,6 +506,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", BAD)
+@pytest.mark.every_case
 def test_bad_input(name):
     fn, field = BAD[name]
     with pytest.raises(ValueError, match=field):
@@ -508,6 +514,7 @@ def test_bad_input(name):
 
 
 @pytest.mark.parametrize("factor", ["2", True, None])
+@pytest.mark.every_case
 def test_factor_not_a_number(factor):
     with pytest.raises(TypeError, match="factor"):
         LinearScaling(factor)

@@ -355,6 +355,7 @@ def test_nn_attention_serving():
      (jaxattn.RoPE(scaling=jaxattn.DynamicNTKScaling(2.0, 16)), "dynamic NTK")],
     ids=["no_rope", "dynamic_ntk"],
 )  # fmt: skip
+@pytest.mark.every_case
 def test_bad_input(rope, match):
     meta = jaxattn.AttentionMetadata.from_lists([3], [3], [[0]], P, max_tokens=4, max_seqs=1,
                                                 max_pages=1)  # fmt: skip

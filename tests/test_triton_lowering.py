@@ -63,6 +63,7 @@ def _split(options):
 @pytest.mark.parametrize(
     "head_dim, dtype", [(128, jnp.bfloat16), (80, jnp.float16), (64, jnp.float32)]
 )
+@pytest.mark.every_case
 def test_dense_lowers_to_triton(name, head_dim, dtype):
     arrays, static = _split(DENSE[name])
     fn = jax.jit(
@@ -166,6 +167,7 @@ def test_interpret_override_is_respected():
     ids=["plain", "window_sinks_softcap", "alibi"],
 )  # fmt: skip
 @pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.every_case
 def test_paged_decode_lowers_to_triton(page_size, options, num_splits):
     arrays, static = _split(options)
     config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=num_splits)
@@ -199,6 +201,7 @@ def test_paged_decode_lowers_to_triton(page_size, options, num_splits):
     ids=str,
 )
 @pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.every_case
 def test_quantized_paged_decode_lowers_to_triton(quant, num_splits):
     config = jaxattn.PagedDecodeConfig(block_kv=64, num_splits=num_splits)
     fn = jax.jit(

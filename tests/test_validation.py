@@ -110,6 +110,7 @@ DENSE_ERRORS = [
 @pytest.mark.parametrize(
     "args, kwargs, match", [pytest.param(*e[1:], id=e[0]) for e in DENSE_ERRORS]
 )
+@pytest.mark.every_case
 def test_attention_rejects(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         trace(jaxattn.attention, *args, **kwargs)
@@ -143,6 +144,7 @@ PACKED_ERRORS = [
 @pytest.mark.parametrize(
     "args, kwargs, match", [pytest.param(*e[1:], id=e[0]) for e in PACKED_ERRORS]
 )
+@pytest.mark.every_case
 def test_ragged_attention_rejects(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         trace(jaxattn.ragged_attention, *args, **kwargs)
@@ -160,6 +162,7 @@ def test_ragged_attention_rejects(args, kwargs, match):
     ],
     ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else None,
 )
+@pytest.mark.every_case
 def test_flash_prefill_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxattn.FlashPrefillConfig(**kwargs)
@@ -190,6 +193,7 @@ def test_flash_prefill_config_resolves_unset_tiles():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.every_case
 def test_heuristic_config_is_valid(dtype):
     for q_len in (1, 7, 100, 4096):
         for head_dim in (32, 40, 64, 80, 96, 128, 256):
@@ -235,6 +239,7 @@ def test_pallas_asks_for_x64_off_when_none_picks_it(monkeypatch):
     ],
     ids=["mosaic-backward-tiling", "mosaic-tuple", "backward-mosaic", "backward-prefill"],
 )
+@pytest.mark.every_case
 def test_flash_prefill_config_checks_its_nested_configs(kwargs, match):
     """A tiling of another kernel in `mosaic` / `backward` is rejected where it is built
     (a MosaicBackwardConfig as `mosaic` reached the Hopper forward on sm90)."""
@@ -243,6 +248,7 @@ def test_flash_prefill_config_checks_its_nested_configs(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_warps=4), dict(num_stages=2), dict(num_warps=(4,))])
+@pytest.mark.every_case
 def test_flash_backward_config_pairs_name_the_field(kwargs):
     """The backward's warps and stages are per-kernel pairs: one int names the fields (it
     failed with "'int' object is not iterable")."""
@@ -264,6 +270,7 @@ def _decode_args(batch):
     ],
     ids=["attention-backward", "attention-mosaic", "paged_decode-prefill"],
 )
+@pytest.mark.every_case
 def test_config_of_another_kernel_names_the_argument(op, config):
     """A tiling of another kernel as `config=` raises a TypeError naming `config` (it
     failed deep inside: "unexpected keyword argument 'lengths'", "no attribute 'mosaic'",
@@ -290,6 +297,7 @@ def test_paged_attention_config_checks_its_parts():
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.every_case
 def test_paged_decode_empty_batch(implementation):
     """B = 0: empty outputs from either implementation (the kernel's tiling heuristic
     divided by zero programs)."""
@@ -304,6 +312,7 @@ def test_paged_decode_empty_batch(implementation):
 
 
 @pytest.mark.parametrize("option", ["scale", "soft_cap"])
+@pytest.mark.every_case
 def test_traced_scale_or_soft_cap_names_the_argument(option):
     """A learnable temperature under jax.grad is traced: a TypeError naming it (it was a
     bare TracerBoolConversionError)."""
