@@ -179,6 +179,25 @@ def test_dynamic_ntk_full_mode_ignores_the_padding_width():
     np.testing.assert_allclose(padded, unpadded, rtol=1e-5, atol=1e-5)
 
 
+def test_dynamic_ntk_explicit_positions_take_each_rows_length():
+    """With explicit positions too, DynamicNTKScaling takes each row's length from its
+    real tokens: the positions the default would use give the default's output, however
+    wide the padding and whatever the other rows (the call's max position + 1 had been
+    taken, padding and other rows included)."""
+    scaling = jaxattn.DynamicNTKScaling(factor=8.0, original_max_position_embeddings=4)
+    module = make_attention(rope=jaxattn.RoPE(scaling=scaling))
+    run = nnx.jit(lambda m, x, n, pos: m(x, q_lengths=n, positions=pos))
+    x = jnp.asarray(util.rng_for("ntk positions").standard_normal((2, 16, D_MODEL)), jnp.float32)
+    six = jnp.asarray([6])
+    alone = np.asarray(full(module, x[:1, :6], six))
+    for width in (6, 16):
+        got = run(module, x[:1, :width], six, jnp.arange(width))
+        np.testing.assert_allclose(np.asarray(got)[:, :6], alone, **TOL)
+    rows = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    beside = run(module, x, jnp.asarray([6, 16]), rows)
+    np.testing.assert_allclose(np.asarray(beside)[:1, :6], alone, **TOL)
+
+
 def test_fused_qkv_equals_unfused():
     unfused = make_attention(qk_norm=True, qkv_bias=True)
     fused = make_attention(seed=1, fused_qkv=True, qk_norm=True, qkv_bias=True)
@@ -231,6 +250,8 @@ def test_bad_calls_name_the_problem():
         Attention(D_MODEL, 4, 2, D, rope=dynamic, rope_on_read=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="head_dim=7 is odd"):
         Attention(28, 4, 2, 7, rope=jaxattn.RoPE(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="positions given to a layer without rope"):
+        make_attention(rope=None)(x, positions=jnp.arange(x.shape[1]))
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])
@@ -246,6 +267,23 @@ def test_serving_over_a_mismatched_cache_names_it(fused_qkv):
         cache = jaxattn.PagedKVCache.create(4, PAGE, heads, dim, jnp.float32)
         with pytest.raises(ValueError, match=f"a cache of {heads} kv heads of dim {dim}"):
             module(x, cache=cache, meta=meta)
+    # A multiple of the layer's kv heads that does not divide its q heads (4 for 6 / 2):
+    # it had failed inside the op, naming the repeated k.
+    six_heads = Attention(D_MODEL, 6, 2, D, fused_qkv=fused_qkv, rngs=nnx.Rngs(0))
+    cache = jaxattn.PagedKVCache.create(4, PAGE, 4, D, jnp.float32)
+    with pytest.raises(ValueError, match="a cache of 4 kv heads .* num_q_heads=6"):
+        six_heads(x, cache=cache, meta=meta)
+
+
+def test_serving_a_non_causal_layer_raises():
+    """Serving mode is causal: a causal=False layer (it had been served causal, silently
+    unlike its full mode) raises."""
+    module = make_attention(causal=False)
+    meta = jaxattn.AttentionMetadata.from_lists([5], [5], [[0, 1]], PAGE, max_tokens=8,
+                                                max_seqs=1, max_pages=2)  # fmt: skip
+    cache = jaxattn.PagedKVCache.create(4, PAGE, HKV, D, jnp.float32)
+    with pytest.raises(ValueError, match="serving mode is causal"):
+        module(jnp.ones((8, D_MODEL)), cache=cache, meta=meta)
 
 
 # ------------------------------------------------------------------ serving mode

@@ -60,7 +60,7 @@ class Attention(nnx.Module):
       qk_norm: RMSNorm of each head's q and k over D before RoPE (Qwen3).
       norm_eps: epsilon of the QK-norm.
       qkv_bias, out_bias: biases on the q/k/v (or fused) and output projections.
-      causal: full mode only: causal mask (serving is always causal).
+      causal: full mode's causal mask; serving mode is causal only (raises without it).
       window, sink_tokens, soft_cap, scale: as `jaxattn.attention`, passed in both modes.
       attention_fn: full-mode op with `jaxattn.attention`'s signature (e.g.
         `functools.partial(jaxattn.attention, implementation="xla")`).
@@ -167,8 +167,10 @@ class Attention(nnx.Module):
     ):
         """Full mode (no cache): x float `[B, T, d_model]` -> y `[B, T, d_model]`.
 
-          positions: int `[B, T]` or `[T]`, the RoPE positions (default `0..T-1`, and
-            DynamicNTKScaling then takes each row's length from `q_lengths`).
+          positions: int `[B, T]` or `[T]`, the RoPE positions (default `0..T-1`);
+            DynamicNTKScaling takes each row's length as its last real token's position
+            + 1 (tokens before `q_lengths`), so that no row's rotation depends on the
+            padding or on the other rows. Only with `rope`.
           q_lengths: int `[B]`, valid tokens of each (right-padded) sequence, also its key
             length; rows at or past it are padding (their attention output is zero).
           mask: bool, broadcastable to `[B, Hq, T, T]`, anded into the causal mask.
@@ -194,13 +196,14 @@ class Attention(nnx.Module):
                 "Attention: rope_on_read=True with a window has positions within a cache; "
                 "full-sequence mode has none (use serving mode)"
             )
+        if positions is not None and self.rope is None:
+            raise ValueError("Attention: positions given to a layer without rope")
         q, k, v = self.project_qkv(x)
         if self.rope is not None:
-            seq_len = None  # DynamicNTKScaling: max(positions) + 1 of the call
             if positions is None:
                 positions = jnp.arange(x.shape[1], dtype=jnp.int32)
-                if q_lengths is not None:  # each row's own length, not the padded width
-                    seq_len = jnp.asarray(q_lengths)[:, None]
+            positions = jnp.asarray(positions)
+            seq_len = _row_lengths(positions, q_lengths, x.shape[:2])
             rotate = functools.partial(apply_rope, rope=self.rope, seq_len=seq_len)
             q, k = rotate(q, positions), rotate(k, positions)
         out = self.attention_fn(
@@ -217,11 +220,18 @@ class Attention(nnx.Module):
 
     def _serve(self, x, cache, meta):
         on_read = dict(rope_on_read=True) if self.rope_on_read else {}
-        if cache.num_kv_heads % self.num_kv_heads or cache.head_dim != self.head_dim:
+        if not self.causal:
+            raise ValueError("Attention: serving mode is causal; this layer has causal=False")
+        if (
+            cache.num_kv_heads % self.num_kv_heads
+            or self.num_q_heads % cache.num_kv_heads
+            or cache.head_dim != self.head_dim
+        ):
             raise ValueError(
                 f"Attention: a cache of {cache.num_kv_heads} kv heads of dim {cache.head_dim} "
-                f"for a layer of num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}: "
-                "the cache needs the layer's head dim and a multiple of its kv heads"
+                f"for a layer of num_q_heads={self.num_q_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}: the cache needs "
+                "the layer's head dim and a multiple of its kv heads that divides its q heads"
             )
         copies = cache.num_kv_heads // self.num_kv_heads
         if self.fused_qkv and self.q_norm is None and copies == 1:  # the op reads the
@@ -236,3 +246,16 @@ class Attention(nnx.Module):
             q, k, v, cache, meta, rope=self.rope, **on_read, **self.options
         )  # [T, Hq, D]
         return self.o_proj(out.reshape(x.shape[0], -1)), cache
+
+
+def _row_lengths(positions, q_lengths, shape):
+    """DynamicNTKScaling's `seq_len` of a full-mode call, int `[B, 1]`: each row's last
+    real token's position + 1 (its tokens before `q_lengths`, all without), or None
+    (`[T]` positions shared by every row, no lengths: the call's `max + 1`, the same)."""
+    if q_lengths is None and positions.ndim < 2:
+        return None
+    positions = jnp.broadcast_to(positions, shape)
+    if q_lengths is not None:
+        real = jnp.arange(shape[1])[None, :] < jnp.asarray(q_lengths)[:, None]
+        positions = jnp.where(real, positions, -1)
+    return positions.max(axis=1, keepdims=True) + 1
