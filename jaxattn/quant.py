@@ -57,10 +57,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int, Shaped
 
 from jaxattn.int32 import is_int
+from jaxattn.shapes import broadcasts_into
 
 __all__ = [
     "TINY_SCALE",
@@ -227,18 +227,14 @@ def _check_scale(scale, quant: KVQuant, lead: tuple, head_dim: int) -> None:
     values' leading axes `lead` (per group: with a last axis of num_groups)."""
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"{scale.dtype=}: scales are float")
-    if quant.granularity == "group" and scale.shape[-1:] != (quant.num_groups(head_dim),):
+    group = quant.granularity == "group"
+    if group and scale.shape[-1:] != (quant.num_groups(head_dim),):
         raise ValueError(
             f"{scale.shape=}: per-group scales need a last axis of num_groups="
             f"{quant.num_groups(head_dim)} (head_dim={head_dim}, group_size={quant.group_size})"
         )
-    group = quant.granularity == "group"
     own, values = (scale.shape[:-1], lead) if group else (scale.shape, (*lead, head_dim))
-    try:
-        ok = np.broadcast_shapes(own, values) == values
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_into(own, values):
         raise ValueError(f"{scale.shape=}: does not broadcast against the values {values}")
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxattn.int32 import is_int
+from jaxattn.shapes import broadcasts_into
 
 __all__ = [
     "ChannelTables",
@@ -316,16 +317,8 @@ def _check_seq_len(fn: str, seq_len, rope: RoPE, shape: tuple) -> None:
     growing it: the tables it gives must not outgrow the tokens they rotate."""
     if seq_len is None or not isinstance(rope.scaling, DynamicNTKScaling):
         return
-    ok = _broadcasts_into(jnp.shape(seq_len), shape)
+    ok = broadcasts_into(jnp.shape(seq_len), shape)
     _require(ok, f"{fn}: seq_len shape {jnp.shape(seq_len)} must broadcast into {shape}")
-
-
-def _broadcasts_into(shape: tuple, into: tuple) -> bool:
-    """Whether `shape` broadcasts against `into` without growing it."""
-    try:
-        return np.broadcast_shapes(shape, into) == into
-    except ValueError:
-        return False
 
 
 def _check_inputs(x, positions) -> None:
@@ -339,7 +332,7 @@ def _check_inputs(x, positions) -> None:
         f"apply_rope: positions.dtype={positions.dtype}: expected an integer dtype",
     )
     _require(
-        _broadcasts_into(positions.shape + (1, 1), x.shape) and positions.ndim >= 1,
+        broadcasts_into(positions.shape + (1, 1), x.shape) and positions.ndim >= 1,
         f"apply_rope: {x.shape=} and {positions.shape=}: positions [..., T] must broadcast "
         "against x [..., T, H, D] (heads and head_dim excluded)",
     )

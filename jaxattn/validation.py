@@ -12,6 +12,7 @@ from jax.core import Tracer
 
 from jaxattn.cache import PagedKVCache
 from jaxattn.positional import RelativeBias
+from jaxattn.shapes import broadcasts_into
 from pallas_kernels.common import check_config, use_interpret
 from pallas_kernels.flash_prefill.config import FlashPrefillConfig
 
@@ -103,9 +104,7 @@ def broadcast_operand(name: str, x, target: tuple[int, ...], *, boolean: bool):
         _fail(f"{name}.dtype={x.dtype}: expected bool")
     if not boolean and str(x.dtype) not in _FLOAT_DTYPES:
         _fail(f"{name}.dtype={x.dtype}: expected a float dtype")
-    if x.ndim > len(target) or any(
-        s not in (1, t) for s, t in zip(x.shape[::-1], target[::-1], strict=False)
-    ):
+    if not broadcasts_into(x.shape, target):
         _fail(f"{name}.shape={x.shape} does not broadcast to {target}")
     return x.reshape((1,) * (len(target) - x.ndim) + x.shape)
 

@@ -696,8 +696,9 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
     launch = Launch(heads=num_q_heads, tiles=grid[0], batch=grid[1], group=group)
     ragged = lengths is not None  # lengths, or a packed batch's tile table
     alike = full_attention(options["causal"], options["window"], ragged)
-    walked = causal_walks(options["causal"], options["window"], ragged, q_rows, k.shape[1])
-    blocks = persistent_blocks(config, launch, alike or walked)
+    walkable = alike or causal_walks(options["causal"], options["window"], ragged, q_rows,
+                                     k.shape[1])  # fmt: skip
+    blocks = persistent_blocks(config, launch, walkable)
     walks = bool(blocks) and not alike  # causal: each block's tiles from a table
     if walks:
         cost = functools.partial(causal_tile_cost, config=config, q_rows=q_rows,
