@@ -100,6 +100,36 @@ def test_collectives_and_sharding():
         assert_sequence_sharded(x, m)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_hopper_tiling_beside_a_hop_not_persistent(monkeypatch, n):
+    """Steps with a hop in flight launch the Hopper kernel a block per tile (a persistent
+    launch's fixed shares wait on SMs the hop's NCCL kernel holds); the last step, with
+    none in flight, keeps the persistent tiling. The selection is faked to say "Hopper"
+    (this machine has none) and the kernel recorded, answering with the einsum block."""
+    from jaxattn import MosaicForwardConfig, reference
+
+    tiling = MosaicForwardConfig(64, 128, 2, persistent=True)
+    seen = []
+
+    def kernel(q, k, v, *, causal, scale, config):
+        seen.append(config.persistent)
+        out, lse = reference.attention_reference(
+            q, k, v, causal=causal, scale=scale, return_lse=True
+        )
+        return out, lse
+
+    monkeypatch.setattr(ring, "select_forward", lambda *args, **kw: tiling)
+    monkeypatch.setattr(ring, "mosaic_forward", kernel)
+    q, k, v, _ = inputs(("persistent", n), n)
+    local = lambda q, k, v: ring_attention(  # noqa: E731
+        q, k, v, axis_name=AXIS, causal=False, implementation="pallas"
+    )
+    out = shard_mapped(local, mesh(n))(q, k, v)
+    assert seen == [False] * (n - 1) + [True]  # traced once: one kernel per step
+    want = reference.attention_reference(q, k, v, causal=False)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_zigzag_layout():
     """Device i's share of the zig-zag order is chunks i and 2n-1-i; unshard inverts; a
     negative axis counts from the end (it raised)."""
