@@ -3,9 +3,13 @@
 - TP decode: one generation step of 4 Llama-3-8B-shaped layers (`bench.model`'s shape at
   B64 ctx4096, separate q/k/v projections), tensor-parallel over n GPUs
   (`jaxattn.parallel.shard_model`, caches split by kv head) against the same step on one
-  GPU. Rate: thousands of tokens per second.
+  GPU. Rate: thousands of tokens per second. A third row ("1 GPU, 1/n") runs one
+  device's share alone, a model with 1/n of the heads, MLP columns and vocabulary, on one
+  GPU; its note adds the step's all-reduces (two a layer, timed alone in a loop) to give
+  the per-device throughput TP can reach on this machine's collectives.
 - CP prefill: causal attention over 128k tokens (B1, GQA 32/8, D 128, bf16), ring
-  attention over n GPUs in the zig-zag layout (`context_parallel_attention`) against
+  attention over n GPUs in the zig-zag layout (`context_parallel_attention`, inputs
+  already split over the devices, as a sequence-split model holds them) against
   `jaxattn.attention` on one GPU. Rate: TFLOP/s of the whole attention.
 
 Each row's note gives the per-device throughput, `time(1 GPU) / (n * time(n GPUs))`: 100%
@@ -44,6 +48,7 @@ from bench.model import LLAMA3_8B_X4, SMOKE, _bytes_per_step, _caches
 
 SET_NAME = "scale"
 STEPS, SMOKE_STEPS = 10, 2
+SHARE = "1 GPU, 1/n"  # the row of one tensor-parallel device's share run alone
 CP_TOKENS, SMOKE_CP_TOKENS = 131072, 256
 
 
@@ -67,6 +72,31 @@ def _scaled(rows: dict, n: int) -> dict:
 
 
 # --------------------------------------------------------------------- tensor parallel
+def _share(shape, n: int):
+    """What one of n tensor-parallel devices computes, as a model of its own: 1/n of the
+    q heads, kv heads (at least one), MLP columns and vocabulary."""
+    return dataclasses.replace(
+        shape, q_heads=shape.q_heads // n, kv_heads=max(shape.kv_heads // n, 1),
+        intermediate=shape.intermediate // n, vocab=shape.vocab // n,
+    )  # fmt: skip
+
+
+def _all_reduce_us(shape, n: int, repeats: int) -> float:
+    """Microseconds per all-reduce of a decode step's activations (`[B, hidden]` bf16,
+    what each row-parallel matmul sums) over n devices: `repeats` in one jitted loop."""
+    mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
+
+    def loop(x):
+        return jax.lax.fori_loop(0, repeats, lambda _, x: jax.lax.psum(x, "tp"), x)
+
+    spec = P("tp")
+    f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    x = jnp.ones((n * shape.batch, shape.hidden), jnp.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh, spec))
+    timing = interleave([op_measure(f, [(x,)], warmup=1)], 5)[0]
+    return timing.median_s / repeats * 1e6
+
+
 def _tp_rows(settings: Settings, n: int) -> list[Row]:
     import jaxattn
     from jaxattn.models import Llama
@@ -79,30 +109,37 @@ def _tp_rows(settings: Settings, n: int) -> list[Row]:
     steps = SMOKE_STEPS if settings.smoke else STEPS
     pallas = functools.partial(jaxattn.paged_attention, implementation="pallas")
     types = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    config = shape.llama_config()
-    one = Llama(config, **types, paged_attention_fn=pallas, rngs=nnx.Rngs(0))
-    split = Llama(config, **types, paged_attention_fn=pallas, rngs=nnx.Rngs(0))
+    build = lambda shape: Llama(  # noqa: E731
+        shape.llama_config(), **types, paged_attention_fn=pallas, rngs=nnx.Rngs(0)
+    )
+    one, split, share = build(shape), build(shape), build(_share(shape, n))
     mesh = auto_axes(jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n]))
     shard_model(split, mesh, "tp")
     caches, _, meta, tokens = _caches(shape)
     split_caches = [shard_cache(duplicate_kv_heads(c, n), mesh, "tp") for c in caches]
     meta_split = jax.device_put(meta, NamedSharding(mesh, P()))
+    share_caches, _, share_meta, share_tokens = _caches(_share(shape, n))
     rows, measures = {}, []
     ref = None
-    runs = (("1 GPU", one, caches, meta), ("ours", split, split_caches, meta_split))
-    for impl, model, cache, plan in runs:
+    runs = (
+        ("1 GPU", one, caches, meta, tokens),
+        ("ours", split, split_caches, meta_split, tokens),
+        (SHARE, share, share_caches, share_meta, share_tokens),
+    )
+    for impl, model, cache, plan, tokens in runs:
         graphdef, state = nnx.split(model)
 
-        def step(caches, state, graphdef=graphdef, plan=plan):
+        def step(caches, state, graphdef=graphdef, plan=plan, tokens=tokens):
             logits, caches = nnx.merge(graphdef, state).step(tokens, caches, plan)
             return caches, logits
 
         row = Row(SET_NAME, label, impl, "ok", unit="ktok/s")
         try:
             logits = jax.jit(step)(cache, state)[1]
-            if ref is None:
-                ref, check = logits, ""
-            else:
+            check = ""
+            if impl == "1 GPU":
+                ref = logits
+            elif impl == "ours":
                 err = relative_error(logits, ref)
                 check = f"logits vs 1 GPU {err:.1e}"
                 if not err < 2e-2:
@@ -117,8 +154,29 @@ def _tp_rows(settings: Settings, n: int) -> list[Row]:
     for (impl, _), timing in zip(measures, timings, strict=True):
         rate = shape.batch / timing.median_s / 1e3
         work = _bytes_per_step(shape, one)  # weights and K/V a step reads, all devices
+        if impl == SHARE:
+            work = _bytes_per_step(_share(shape, n), share)
         rows[impl] = timed_row(settings, rows[impl], timing, work, rate=rate, work_unit="TB/s")
-    return list(_scaled(rows, n).values())
+    rows = _scaled(rows, n)
+    return list(_tp_bound(rows, shape, n).values())
+
+
+def _tp_bound(rows: dict, shape, n: int) -> dict:
+    """Notes the share row with the per-device throughput that its time plus the step's
+    all-reduces (two a layer, each timed alone) would allow: TP's ceiling here."""
+    one, share = rows["1 GPU"], rows.get(SHARE)
+    if not (share and share.time_ms and one.time_ms):
+        return rows
+    latency = _all_reduce_us(shape, n, repeats=100)
+    reduces = 2 * shape.layers
+    bound = one.time_ms / (n * (share.time_ms + reduces * latency / 1e3))
+    note = (
+        f"one of {n} devices' work alone; with {reduces} all-reduces of [B, hidden] bf16 at "
+        f"{latency:.1f} us each (timed alone): {100 * bound:.0f}% of one GPU per device at "
+        f"best, {100 * one.time_ms / (n * share.time_ms):.0f}% with free all-reduces"
+    )
+    rows[SHARE] = progress(dataclasses.replace(share, notes=join_notes(share.notes, note)))
+    return rows
 
 
 # -------------------------------------------------------------------- context parallel
@@ -139,7 +197,8 @@ def _cp_rows(settings: Settings, n: int) -> list[Row]:
         context_parallel_attention, mesh=mesh, axis_name="cp", causal=True, layout="zigzag",
         method="ring", implementation="pallas",
     )  # fmt: skip
-    zq, zk, zv = (zigzag_shard(x, n) for x in (q, k, v))
+    split = NamedSharding(mesh, P(None, "cp"))  # as a sequence-split model holds them
+    zq, zk, zv = (jax.device_put(zigzag_shard(x, n), split) for x in (q, k, v))
     rows, measures = {}, []
     ref = one(q, k, v)
     for impl, fn, args in (("1 GPU", one, (q, k, v)), ("ours", ring, (zq, zk, zv))):

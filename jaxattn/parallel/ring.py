@@ -24,7 +24,9 @@ per step, two blocks alive. (Without it XLA's GPU scheduler ran every hop of the
 before the first step.) The dK/dV hop of a step is consumed after the next step's compute.
 The schedule compiled for a 4 x H100 topology (jax 0.11.2, deviceless) has each forward hop
 as an async start/done around exactly one step's kernel; in the backward most hops are,
-and the last dK/dV hop home is exposed. (Not timed: no multi-GPU machine was at hand.)
+and the last dK/dV hop home is exposed. On two H100s (NVLink) the forward of 128k causal
+tokens runs at 99% of one GPU per device (`bench/RESULTS.md`, set `scale`); the steps
+beside a hop launch the Hopper kernel a block per tile (`_attend`).
 A step's transfer hides under its compute when
 
     compute:  4 * B * Tl^2 * Hq * D FLOPs  at the kernel's FLOP/s
