@@ -147,12 +147,48 @@ def softmax_finish(carry, row_ok=True):
     return out, jnp.where(ok, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
+def _manual_axis_types(values) -> list:
+    """The manual-axis types of `values` (empty outside a `jax.shard_map`); none on a jax
+    that types values otherwise."""
+    types = [getattr(jax.typeof(x), "manual_axis_type", None) for x in values]
+    return [t for t in types if t is not None]
+
+
+def _varying_axes(values) -> frozenset:
+    return frozenset().union(*(t.varying for t in _manual_axis_types(values)))
+
+
+def typed_like(out_shape, inputs) -> list:
+    """`out_shape` (ShapeDtypeStructs) typed as varying over every manual mesh axis that
+    any of `inputs` varies over: what a `jax.shard_map` with `check_vma=True` (its
+    default) asks of a `pallas_call`'s outputs. Outside one the type is empty and unread."""
+    types = _manual_axis_types(inputs)
+    if not types:
+        return list(out_shape)
+    axis_type = type(types[0])(varying=_varying_axes(inputs))
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=axis_type) for s in out_shape]
+
+
+def varying_like(outputs, inputs):
+    """`outputs` (a pytree of arrays) cast to vary over every manual mesh axis that any of
+    `inputs` varies over. `plgpu.kernel` traces with the check off and types its outputs
+    invariant, which a checking `jax.shard_map` would then take at its word."""
+    axes = _varying_axes(inputs)
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying_axes([x])))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, outputs) if axes else outputs
+
+
 def whole_array_call(kernel, inputs, out_shape, *, grid, num_warps, num_stages, interpret, name,
                      aliases=None):  # fmt: skip
     """A Triton `pallas_call` whose refs are whole arrays: the kernels index them
     themselves (data-dependent tiles, block tables), which BlockSpecs cannot express.
     `aliases`: {input index: output index} of inputs updated in place."""
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
+    out_shape = typed_like(out_shape, inputs)
     return pl.pallas_call(
         kernel,
         grid=grid,

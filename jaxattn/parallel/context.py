@@ -198,7 +198,7 @@ def _place(x, mesh: Mesh, spec: P):
 
 def _shard_map(f, *, mesh, in_specs, out_specs):
     """`jax.shard_map` where this jax has it, else the experimental one. Unchecked
-    replication: Pallas calls carry no varying-axes types."""
+    replication: Pallas's interpreter (CPU) cannot be traced under checked types."""
     if hasattr(jax, "shard_map"):
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     from jax.experimental.shard_map import shard_map

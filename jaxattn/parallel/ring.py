@@ -142,8 +142,9 @@ def ring_attention(
     config: FlashPrefillConfig | None = None,
 ) -> Float[Array, "B Tq Hq D"]:
     """Attention over a sequence split along the mesh axis `axis_name` (ring / context
-    parallelism). Call it where `axis_name` is bound: inside `jax.shard_map` (with
-    `check_vma=False` for the Pallas kernels, as for `jaxattn.attention` there).
+    parallelism). Call it where `axis_name` is bound: inside `jax.shard_map`. Its default
+    `check_vma=True` works on a GPU (the kernels type their outputs as varying like their
+    inputs); on CPU, Pallas's interpreter needs `check_vma=False`.
 
     Args:
       q: `[B, Tq, Hq, D]` bf16/fp16/fp32, this device's queries.

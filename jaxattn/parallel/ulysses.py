@@ -62,8 +62,8 @@ def ulysses_attention(
     **options,
 ):
     """Attention over a sequence split along the mesh axis `axis_name`, by all-to-all.
-    Call it where `axis_name` is bound: inside `jax.shard_map` (with `check_vma=False` for
-    the Pallas kernels).
+    Call it where `axis_name` is bound: inside `jax.shard_map` (`check_vma=True` works on a
+    GPU; on CPU, Pallas's interpreter needs `check_vma=False`).
 
     Args:
       q: `[B, Tq, Hq, D]`, this device's queries; k, v: `[B, Tk, Hkv, D]`, its keys and

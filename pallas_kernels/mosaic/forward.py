@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.batch import packed_batch
-from pallas_kernels.common import LN2, LOG2E, MASK_VALUE, device_sm_count
+from pallas_kernels.common import LN2, LOG2E, MASK_VALUE, device_sm_count, varying_like
 from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
@@ -732,7 +732,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
             jax.ShapeDtypeStruct((num_tails, config.rows, num_q_heads, head_dim), dtype),
             jax.ShapeDtypeStruct((num_tails, num_q_heads, config.rows), jnp.float32),
         ]
-    return plgpu.kernel(
+    outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
         scratch_types=(smem, barriers),
@@ -743,6 +743,7 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
         # which leaves room for 192-key blocks.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(*inputs)
+    return varying_like(outs, inputs)
 
 
 def causal_walks(causal: bool, window, ragged: bool, q_rows: int, kv_rows: int) -> bool:
