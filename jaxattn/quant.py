@@ -213,10 +213,12 @@ def calibrate_kv_scales(
     k: Float[Array, "*k_shape"], v: Float[Array, "*v_shape"], quant: KVQuant
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """Per-tensor scales from sample K and V (any shapes): float32 `amax / qmax` each,
-    never below `TINY_SCALE`."""
+    never below `TINY_SCALE`. Non-finite samples are left out of the amax (a NaN or inf
+    one would make the scale NaN or inf, and with it every value of the cache)."""
 
     def scale(x):
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+        x = jnp.abs(x.astype(jnp.float32))
+        amax = jnp.max(jnp.where(jnp.isfinite(x), x, 0.0))
         return jnp.maximum(amax / quant.qmax, TINY_SCALE)
 
     return scale(k), scale(v)

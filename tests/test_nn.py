@@ -252,6 +252,13 @@ def test_bad_calls_name_the_problem():
         Attention(28, 4, 2, 7, rope=jaxattn.RoPE(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="positions given to a layer without rope"):
         make_attention(rope=None)(x, positions=jnp.arange(x.shape[1]))
+    # The options at construction, not at the first call; x's width named.
+    with pytest.raises(ValueError, match=r"Attention: window=0: expected an integer in \[1"):
+        Attention(D_MODEL, 4, 2, D, window=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="Attention: soft_cap=-1.0"):
+        Attention(D_MODEL, 4, 2, D, soft_cap=-1.0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=f"the last axis must be d_model={D_MODEL}"):
+        module(jnp.zeros((*x.shape[:2], D_MODEL + 1), x.dtype))
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])

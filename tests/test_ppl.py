@@ -421,6 +421,9 @@ ERRORS = [
     ("heads_not_multiple", 0, lambda c: dict(num_kv_heads=3), r"num_kv_heads|num_heads"),
     ("layer_idx", 0, lambda c: dict(layer_idx=3), r"layer_idx"),
     ("layer_idx_negative", 0, lambda c: dict(layer_idx=-1), r"layer_idx"),
+    # bools are ints to Python: True would pass as 1
+    ("num_layer_bool", 0, lambda c: dict(num_layer=True, layer_idx=0), r"num_layer=True must"),
+    ("cache_mode_bool", 1, lambda c: dict(cache_mode=True), r"cache_mode=True must"),
     # a layout 0 array (MaxT, L, 2, H, D) read as layout 3 (L, 2, H, MaxT, D)
     ("layout_0_as_3", 0, lambda c: dict(cache_layout=3), r"cache"),
     ("layout_0_as_1", 1, lambda c: dict(cache_layout=1), r"cache"),

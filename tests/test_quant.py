@@ -326,6 +326,12 @@ def test_calibrate_kv_scales_is_amax_over_qmax():
         assert float(k_scale) == np.float32(3.5) / np.float32(QMAX[dtype])
         assert float(v_scale) == np.float32(896.0) / np.float32(QMAX[dtype])
     assert float(calibrate_kv_scales(k, v, KVQuant("float8_e4m3fn"))[1]) == 2.0
+    # Non-finite samples are left out: the scales stay those of the finite ones.
+    bad_k = k.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf)
+    bad_v = v.at[2].set(-jnp.inf)
+    k_scale, v_scale = calibrate_kv_scales(bad_k, bad_v, KVQuant("int8"))
+    assert float(k_scale) == np.float32(3.5) / np.float32(QMAX["int8"])
+    assert float(v_scale) == np.float32(896.0) / np.float32(QMAX["int8"])
 
 
 def test_kvquant_config():

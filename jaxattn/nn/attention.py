@@ -20,6 +20,7 @@ from jaxattn.cache import PagedKVCache
 from jaxattn.nn.sharding import logical_axes
 from jaxattn.rope import RoPE, apply_rope
 from jaxattn.streaming import check_rope_on_read
+from jaxattn.validation import check_options
 
 __all__ = ["Attention"]
 
@@ -114,6 +115,13 @@ class Attention(nnx.Module):
             raise ValueError(f"Attention: {e}") from None
         self.rope, self.fused_qkv, self.causal = rope, fused_qkv, causal
         self.rope_on_read = bool(rope_on_read)
+        try:  # here, not at the first call
+            check_options(num_q_heads=num_q_heads, window=window, sink_tokens=sink_tokens,
+                          alibi_slopes=None, relative_bias=None, soft_cap=soft_cap,
+                          scale=scale)  # fmt: skip
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Attention: {e}") from None
+        self.d_model = d_model
         self.options = dict(window=window, sink_tokens=sink_tokens, soft_cap=soft_cap, scale=scale)
         self.attention_fn, self.paged_attention_fn = attention_fn, paged_attention_fn
         linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -142,6 +150,8 @@ class Attention(nnx.Module):
 
     def project_qkv(self, x: Float[Array, "*B T d_model"]):
         """q `[*B, T, Hq, D]`, k and v `[*B, T, Hkv, D]` (QK-norm applied, no RoPE)."""
+        if x.shape[-1:] != (self.d_model,):
+            raise ValueError(f"Attention: {x.shape=}: the last axis must be d_model={self.d_model}")
         q_dim, kv_dim = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.fused_qkv:
             q, k, v = jnp.split(self.qkv_proj(x), [q_dim, q_dim + kv_dim], axis=-1)

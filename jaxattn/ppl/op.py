@@ -180,8 +180,13 @@ def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
                         ("num_kv_heads", num_kv_heads), ("num_layer", num_layer),
                         ("page_size", page_size), ("max_seqlen", max_seqlen),
                         ("max_kvlen", max_kvlen)):  # fmt: skip
-        if not isinstance(value, (int, np.integer)) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             fail(f"{name}={value!r} must be a positive Python int (static)")
+    for name, value in (("layer_idx", layer_idx), ("quant_bit", quant_bit),
+                        ("quant_group", quant_group), ("cache_mode", cache_mode),
+                        ("cache_layout", cache_layout)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            fail(f"{name}={value!r} must be a Python int (static)")
     if num_heads % num_kv_heads:
         fail(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if not 0 <= layer_idx < num_layer:
