@@ -34,7 +34,7 @@ from jaxattn.parallel import ring
 from jaxattn.parallel.partition import BATCH, HEADS, KV_HEADS, SEQUENCE, Out, like, run_sharded
 from jaxattn.positional import RelativeBias
 from pallas_kernels.batch import Batch, packed_batch
-from pallas_kernels.common import use_interpret
+from pallas_kernels.common import use_interpret, varying_like
 from pallas_kernels.flash_backward import FlashBackwardConfig, flash_backward
 from pallas_kernels.flash_prefill import FlashPrefillConfig, flash_prefill
 from pallas_kernels.flash_prefill.kernel import LogitParams
@@ -457,7 +457,11 @@ def _run(implementation, static, config, qkv, lengths, extras, out_scale):
         if static.out_fp8:
             out, lse = _quantized(impl, static, config, qkv, lengths, extras, out_scale)
         else:
-            out, lse = _differentiable(impl, static, config, qkv, lengths, extras)
+            # Differentiable inputs vary alike, so that the gradient of one that does not
+            # vary where the others do (slopes or a bias replicated over a shard_map's
+            # axis, say) is summed over that axis.
+            alike = varying_like((qkv, extras), (qkv, lengths, extras))
+            out, lse = _differentiable(impl, static, config, alike[0], lengths, alike[1])
         return (out, lse) if static.return_lse else out
 
     return run_first(implementation, run)

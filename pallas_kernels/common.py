@@ -148,13 +148,14 @@ def softmax_finish(carry, row_ok=True):
 
 
 def _manual_axis_types(values) -> list:
-    """The manual-axis types of `values` (empty outside a `jax.shard_map`); none on a jax
-    that types values otherwise."""
-    types = [getattr(jax.typeof(x), "manual_axis_type", None) for x in values]
+    """The manual-axis type of each array among `values` (a pytree; the type is empty
+    outside a `jax.shard_map`), or [] on a jax that types values otherwise."""
+    types = [getattr(jax.typeof(x), "manual_axis_type", None) for x in jax.tree.leaves(values)]
     return [t for t in types if t is not None]
 
 
 def _varying_axes(values) -> frozenset:
+    """The mesh axes any array among `values` (a pytree) varies over."""
     return frozenset().union(*(t.varying for t in _manual_axis_types(values)))
 
 
@@ -165,18 +166,21 @@ def typed_like(out_shape, inputs) -> list:
     types = _manual_axis_types(inputs)
     if not types:
         return list(out_shape)
-    axis_type = type(types[0])(varying=_varying_axes(inputs))
-    return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=axis_type) for s in out_shape]
+    axis_type = type(types[0])(varying=_varying_axes(inputs))  # jax's ManualAxisType
+    return [s.update(manual_axis_type=axis_type) for s in out_shape]
 
 
 def varying_like(outputs, inputs):
     """`outputs` (a pytree of arrays) cast to vary over every manual mesh axis that any of
-    `inputs` varies over. `plgpu.kernel` traces with the check off and types its outputs
-    invariant, which a checking `jax.shard_map` would then take at its word."""
+    `inputs` (a pytree) varies over. For a kernel's outputs that its call types otherwise
+    (`plgpu.kernel` types them invariant; a `pallas_call` gives an output updated in place
+    its input's type), and for a custom VJP's differentiable inputs, whose cotangents then
+    come out of that type and are summed over the axes an input did not vary over (the
+    cast's transpose) as their partial sums must be."""
     axes = _varying_axes(inputs)
 
     def cast(x):
-        missing = tuple(sorted(axes - _varying_axes([x])))
+        missing = tuple(sorted(axes - _varying_axes(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, outputs) if axes else outputs
@@ -189,6 +193,8 @@ def whole_array_call(kernel, inputs, out_shape, *, grid, num_warps, num_stages, 
     `aliases`: {input index: output index} of inputs updated in place."""
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
     out_shape = typed_like(out_shape, inputs)
+    # An output updated in place takes its input's type: the input varies as all do.
+    inputs = [varying_like(x, inputs) if i in (aliases or {}) else x for i, x in enumerate(inputs)]
     return pl.pallas_call(
         kernel,
         grid=grid,

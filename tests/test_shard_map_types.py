@@ -58,6 +58,60 @@ def test_typed_like_names_the_inputs_varying_axes():
     assert all(not s.manual_axis_type.varying for s in outside)
 
 
+def traced_for_cuda(monkeypatch, body, in_specs, out_specs, *args) -> str:
+    """The jaxpr of `body` under a checking shard_map, the Triton kernels traced for CUDA
+    (`JAXATTN_INTERPRET=0`: nothing runs, so this machine needs no GPU)."""
+    monkeypatch.setenv("JAXATTN_INTERPRET", "0")
+    mapped = jax.shard_map(body, mesh=one_device_mesh(), in_specs=in_specs, out_specs=out_specs)
+    return str(jax.make_jaxpr(mapped)(*args))
+
+
+def test_gradient_of_a_replicated_input_is_summed(monkeypatch):
+    """q, k, v split, ALiBi slopes replicated: each device's d_slopes is a partial sum,
+    so the gradient must psum it (as the XLA path's autodiff does); k and v replicated
+    with q split: their gradients too. Before, d_slopes came back typed replicated and
+    unsummed, and replicated k, v raised in the custom VJP."""
+    q = jnp.ones((1, 128, 4, 64), jnp.bfloat16)
+    k = v = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    slopes = jnp.ones((4,), jnp.float32)
+
+    def grads(q, k, v, slopes):
+        def loss(q, k, v, slopes):
+            out = jaxattn.attention(
+                q, k, v, causal=True, alibi_slopes=slopes, implementation="pallas"
+            )
+            return out.astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+
+    split, whole = P(AXIS), P()
+    for specs in ((split, split, split, whole), (split, whole, whole, whole)):
+        jaxpr = traced_for_cuda(monkeypatch, grads, specs, specs, q, k, v, slopes)
+        assert "psum" in jaxpr, specs
+
+
+def test_pool_written_in_place_varies(monkeypatch):
+    """A pool updated in place by a kernel from varying data varies too: a replicated
+    out_spec for it is refused (it had been taken at its input's word)."""
+    from pallas_kernels.common import whole_array_call
+
+    def kernel(x_ref, pool_ref, out_ref, pool_out_ref):
+        out_ref[...] = x_ref[...]
+        pool_out_ref[...] = x_ref[...]
+
+    def body(x, pool):
+        out = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)]
+        return whole_array_call(
+            kernel, [x, pool], out, grid=(1,), num_warps=4, num_stages=1, interpret=False,
+            name="write", aliases={1: 1},
+        )  # fmt: skip
+
+    x = jnp.ones((8, 128))
+    with pytest.raises(ValueError, match="replicated"):
+        traced_for_cuda(monkeypatch, body, (P(AXIS), P()), (P(AXIS), P()), x, x)
+    traced_for_cuda(monkeypatch, body, (P(AXIS), P()), (P(AXIS), P(AXIS)), x, x)
+
+
 def in_shard_map(fn, *args):
     """fn(*args) inside a checking shard_map splitting every argument's first axis."""
     specs = tuple(P(AXIS) for _ in args)
