@@ -5,8 +5,9 @@
   (`jaxattn.parallel.shard_model`, caches split by kv head) against the same step on one
   GPU. Rate: thousands of tokens per second. A third row ("1 GPU, 1/n") runs one
   device's share alone, a model with 1/n of the heads, MLP columns and vocabulary, on one
-  GPU; its note adds the step's all-reduces (two a layer, timed alone in a loop) to give
-  the per-device throughput TP can reach on this machine's collectives.
+  GPU (where all of them split evenly); its note adds the step's all-reduces (two a layer
+  and the vocabulary-split embedding's, timed alone in a loop) to give the per-device
+  throughput TP can reach on this machine's collectives.
 - CP prefill: causal attention over 128k tokens (B1, GQA 32/8, D 128, bf16), ring
   attention over n GPUs in the zig-zag layout (`context_parallel_attention`, inputs
   already split over the devices, as a sequence-split model holds them) against
@@ -74,16 +75,21 @@ def _scaled(rows: dict, n: int) -> dict:
 # --------------------------------------------------------------------- tensor parallel
 def _share(shape, n: int):
     """What one of n tensor-parallel devices computes, as a model of its own: 1/n of the
-    q heads, kv heads (at least one), MLP columns and vocabulary."""
+    q heads, kv heads, MLP columns and vocabulary; None unless all of them split evenly
+    (`jaxattn.parallel.tensor`'s rules keep the others whole, which this does not model)."""
+    sizes = (shape.q_heads, shape.kv_heads, shape.intermediate, shape.vocab)
+    if any(size % n for size in sizes):
+        return None
     return dataclasses.replace(
-        shape, q_heads=shape.q_heads // n, kv_heads=max(shape.kv_heads // n, 1),
+        shape, q_heads=shape.q_heads // n, kv_heads=shape.kv_heads // n,
         intermediate=shape.intermediate // n, vocab=shape.vocab // n,
     )  # fmt: skip
 
 
-def _all_reduce_us(shape, n: int, repeats: int) -> float:
+def _all_reduce_us(shape, n: int, settings: Settings, repeats: int = 100) -> float:
     """Microseconds per all-reduce of a decode step's activations (`[B, hidden]` bf16,
-    what each row-parallel matmul sums) over n devices: `repeats` in one jitted loop."""
+    what each row-parallel matmul and the vocabulary-split embedding sum) over n devices:
+    `repeats` in one jitted loop."""
     mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
 
     def loop(x):
@@ -93,7 +99,7 @@ def _all_reduce_us(shape, n: int, repeats: int) -> float:
     f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     x = jnp.ones((n * shape.batch, shape.hidden), jnp.bfloat16)
     x = jax.device_put(x, NamedSharding(mesh, spec))
-    timing = interleave([op_measure(f, [(x,)], warmup=1)], 5)[0]
+    timing = interleave([op_measure(f, [(x,)], warmup=1)], settings.reps)[0]
     return timing.median_s / repeats * 1e6
 
 
@@ -112,31 +118,33 @@ def _tp_rows(settings: Settings, n: int) -> list[Row]:
     build = lambda shape: Llama(  # noqa: E731
         shape.llama_config(), **types, paged_attention_fn=pallas, rngs=nnx.Rngs(0)
     )
-    one, split, share = build(shape), build(shape), build(_share(shape, n))
+    share_shape = _share(shape, n)
+    one, split = build(shape), build(shape)
     mesh = auto_axes(jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n]))
     shard_model(split, mesh, "tp")
     caches, _, meta, tokens = _caches(shape)
     split_caches = [shard_cache(duplicate_kv_heads(c, n), mesh, "tp") for c in caches]
     meta_split = jax.device_put(meta, NamedSharding(mesh, P()))
-    share_caches, _, share_meta, share_tokens = _caches(_share(shape, n))
     rows, measures = {}, []
     ref = None
-    runs = (
+    runs = [
         ("1 GPU", one, caches, meta, tokens),
         ("ours", split, split_caches, meta_split, tokens),
-        (SHARE, share, share_caches, share_meta, share_tokens),
-    )
-    for impl, model, cache, plan, tokens in runs:
+    ]
+    if share_shape is not None:
+        share_caches, _, share_meta, share_tokens = _caches(share_shape)
+        runs.append((SHARE, build(share_shape), share_caches, share_meta, share_tokens))
+    for impl, model, cache, plan, ids in runs:
         graphdef, state = nnx.split(model)
 
-        def step(caches, state, graphdef=graphdef, plan=plan, tokens=tokens):
-            logits, caches = nnx.merge(graphdef, state).step(tokens, caches, plan)
+        def step(caches, state, graphdef=graphdef, plan=plan, ids=ids):
+            logits, caches = nnx.merge(graphdef, state).step(ids, caches, plan)
             return caches, logits
 
         row = Row(SET_NAME, label, impl, "ok", unit="ktok/s")
         try:
             logits = jax.jit(step)(cache, state)[1]
-            check = ""
+            check = "not checked: a model of its own" if impl == SHARE else ""
             if impl == "1 GPU":
                 ref = logits
             elif impl == "ours":
@@ -155,20 +163,26 @@ def _tp_rows(settings: Settings, n: int) -> list[Row]:
         rate = shape.batch / timing.median_s / 1e3
         work = _bytes_per_step(shape, one)  # weights and K/V a step reads, all devices
         if impl == SHARE:
-            work = _bytes_per_step(_share(shape, n), share)
+            work = _bytes_per_step(share_shape, runs[-1][1])
         rows[impl] = timed_row(settings, rows[impl], timing, work, rate=rate, work_unit="TB/s")
     rows = _scaled(rows, n)
-    return list(_tp_bound(rows, shape, n).values())
+    return list(_tp_bound(rows, shape, n, settings).values())
 
 
-def _tp_bound(rows: dict, shape, n: int) -> dict:
+def _tp_bound(rows: dict, shape, n: int, settings: Settings) -> dict:
     """Notes the share row with the per-device throughput that its time plus the step's
-    all-reduces (two a layer, each timed alone) would allow: TP's ceiling here."""
+    all-reduces (two a layer and the embedding's, each timed alone) would allow: TP's
+    ceiling here."""
     one, share = rows["1 GPU"], rows.get(SHARE)
     if not (share and share.time_ms and one.time_ms):
         return rows
-    latency = _all_reduce_us(shape, n, repeats=100)
-    reduces = 2 * shape.layers
+    try:
+        latency = _all_reduce_us(shape, n, settings)
+    except Exception as e:
+        note = f"all-reduce not timed: {describe_error(e)}"
+        rows[SHARE] = progress(dataclasses.replace(share, notes=join_notes(share.notes, note)))
+        return rows
+    reduces = 2 * shape.layers + 1
     bound = one.time_ms / (n * (share.time_ms + reduces * latency / 1e3))
     note = (
         f"one of {n} devices' work alone; with {reduces} all-reduces of [B, hidden] bf16 at "

@@ -259,6 +259,8 @@ def test_bad_calls_name_the_problem():
         Attention(D_MODEL, 4, 2, D, soft_cap=-1.0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=f"the last axis must be d_model={D_MODEL}"):
         module(jnp.zeros((*x.shape[:2], D_MODEL + 1), x.dtype))
+    with pytest.raises(ValueError, match=f"the last axis must be d_model={D_MODEL}"):
+        module(jnp.zeros((3, D_MODEL + 1), x.dtype), cache=object(), meta=object())
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])

@@ -150,8 +150,6 @@ class Attention(nnx.Module):
 
     def project_qkv(self, x: Float[Array, "*B T d_model"]):
         """q `[*B, T, Hq, D]`, k and v `[*B, T, Hkv, D]` (QK-norm applied, no RoPE)."""
-        if x.shape[-1:] != (self.d_model,):
-            raise ValueError(f"Attention: {x.shape=}: the last axis must be d_model={self.d_model}")
         q_dim, kv_dim = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.fused_qkv:
             q, k, v = jnp.split(self.qkv_proj(x), [q_dim, q_dim + kv_dim], axis=-1)
@@ -192,6 +190,8 @@ class Attention(nnx.Module):
         """
         if (cache is None) != (meta is None):
             raise ValueError("Attention: serving mode needs both cache and meta")
+        if x.shape[-1:] != (self.d_model,):
+            raise ValueError(f"Attention: {x.shape=}: the last axis must be d_model={self.d_model}")
         if cache is not None:
             if x.ndim != 2 or any(a is not None for a in (positions, q_lengths, mask)):
                 raise ValueError(

@@ -165,6 +165,8 @@ def ring_attention(
       config: `FlashPrefillConfig` of the per-block kernels (its `backend`: the Hopper
         forward on sm90 where it covers the block shapes, as `jaxattn.attention` picks
         it; its `backward` for the gradient); None picks a heuristic for the block shape.
+        Steps that run beside a K/V hop launch the Hopper forward a block per tile
+        whatever its `mosaic.persistent` says (`_attend`).
 
     Returns:
       out `[B, Tq, Hq, D]` in q's dtype: this device's rows of the global attention, in the
@@ -249,7 +251,8 @@ def _attend(ring: _Ring, q, k, v, causal: bool, transfer: bool):
     blocks each own a fixed share of the tiles, so a block that finds its SM held waits,
     share and all, until the hop ends, which the peer's persistent kernel, holding every
     SM, could put off to its own end. Measured on 2 x H100 (CP2 128k causal, zig-zag):
-    calls of 117 or 160 ms at random, persistent; 118-124 ms a block per tile."""
+    calls of 114-165 ms, most near 117 or 160, persistent; 112-132 ms (median 114) with
+    the steps beside a hop a block per tile (`bench/HISTORY.md`, probes of 2026-11-27)."""
     if ring.impl == "xla":
         out, lse = reference.attention_reference(
             q, k, v, causal=causal, scale=ring.scale, return_lse=True

@@ -171,10 +171,13 @@ def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
             cache_mode, cache_layout, page_size, is_causal, is_alibi, max_seqlen,
             max_kvlen):  # fmt: skip
     """Trace-time checks of shapes, dtypes and static options; the resolved `_Options`."""
-    num_kv_heads = num_kv_heads or num_heads
 
     def fail(msg):
         raise ValueError(f"multi_head_cache_attention: {msg}")
+
+    if isinstance(num_kv_heads, bool):
+        fail(f"{num_kv_heads=} must be a Python int (0: num_heads)")
+    num_kv_heads = num_kv_heads or num_heads
 
     for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
                         ("num_kv_heads", num_kv_heads), ("num_layer", num_layer),
@@ -182,9 +185,13 @@ def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
                         ("max_kvlen", max_kvlen)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             fail(f"{name}={value!r} must be a positive Python int (static)")
-    for name, value in (("layer_idx", layer_idx), ("quant_bit", quant_bit),
-                        ("quant_group", quant_group), ("cache_mode", cache_mode),
-                        ("cache_layout", cache_layout)):  # fmt: skip
+    static = (
+        ("layer_idx", layer_idx),
+        ("quant_bit", quant_bit),
+        ("cache_mode", cache_mode),
+        ("cache_layout", cache_layout),
+    ) + ((("quant_group", quant_group),) if quant_bit else ())
+    for name, value in static:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             fail(f"{name}={value!r} must be a Python int (static)")
     if num_heads % num_kv_heads:

@@ -100,8 +100,8 @@ def test_collectives_and_sharding():
         assert_sequence_sharded(x, m)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_hopper_tiling_beside_a_hop_not_persistent(monkeypatch, n):
+@pytest.mark.parametrize("n, causal", [(3, False), (2, True)])
+def test_hopper_tiling_beside_a_hop_not_persistent(monkeypatch, n, causal):
     """Steps with a hop in flight launch the Hopper kernel a block per tile (a persistent
     launch's fixed shares wait on SMs the hop's NCCL kernel holds); the last step, with
     none in flight, keeps the persistent tiling. The selection is faked to say "Hopper"
@@ -120,13 +120,16 @@ def test_hopper_tiling_beside_a_hop_not_persistent(monkeypatch, n):
 
     monkeypatch.setattr(ring, "select_forward", lambda *args, **kw: tiling)
     monkeypatch.setattr(ring, "mosaic_forward", kernel)
-    q, k, v, _ = inputs(("persistent", n), n)
+    q, k, v, _ = inputs(("persistent", n, causal), n)
     local = lambda q, k, v: ring_attention(  # noqa: E731
-        q, k, v, axis_name=AXIS, causal=False, implementation="pallas"
+        q, k, v, axis_name=AXIS, causal=causal, implementation="pallas"
     )
-    out = shard_mapped(local, mesh(n))(q, k, v)
-    assert seen == [False] * (n - 1) + [True]  # traced once: one kernel per step
-    want = reference.attention_reference(q, k, v, causal=False)
+    out = in_true_order(shard_mapped(local, mesh(n)), n, "zigzag")(q, k, v)
+    # Traced once: the diagonal, then each later step's kernel (causal zig-zag steps trace
+    # both branches of their cond: two kernels a step).
+    per_step = 2 if causal else 1
+    assert seen == [False] * (1 + per_step * (n - 2)) + [True] * per_step
+    want = reference.attention_reference(q, k, v, causal=causal)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
