@@ -167,7 +167,7 @@ def typed_like(out_shape, inputs) -> list:
     if not types:
         return list(out_shape)
     axis_type = type(types[0])(varying=_varying_axes(inputs))  # jax's ManualAxisType
-    return [s.update(manual_axis_type=axis_type) for s in out_shape]
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=axis_type) for s in out_shape]
 
 
 def varying_like(outputs, inputs):

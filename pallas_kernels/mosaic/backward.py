@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.batch import packed_batch
-from pallas_kernels.common import LOG2E, MASK_VALUE, typed_like, varying_like
+from pallas_kernels.common import LOG2E, MASK_VALUE, varying_like
 from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
@@ -600,7 +600,7 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
         if packed:
             tail = (num_tails, rows, like.shape[2], head_dim)
             types += [jax.ShapeDtypeStruct(tail, dtype)] * count
-        return tuple(typed_like(types, inputs))
+        return tuple(types)
 
     def aux(x):  # no lengths: no extra input
         return () if x is None else (x,)
@@ -631,7 +631,7 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
         **dq_launch.grid(),
         **common,
     )(*inputs, *aux(dq_aux))
-    dq = varying_like(dq, (inputs, dq_aux))
+    dq = varying_like(dq, inputs)
 
     bq = config.block_q_dkv
     # Split columns: K, V in halves [2, 64, D/2], Q and dO [stages, 2, bq, D/2].
@@ -662,7 +662,7 @@ def _launch(q, k, v, g_out, lse2, delta, lengths, *, grids, config, num_tails=No
         **dkdv_launch.grid(),
         **common,
     )(*inputs, *aux(dkdv_aux))
-    dkdv = varying_like(dkdv, (inputs, dkdv_aux))
+    dkdv = varying_like(dkdv, inputs)
     if packed:
         return dq, dkdv
     return dq[0], *dkdv

@@ -58,14 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.batch import packed_batch
-from pallas_kernels.common import (
-    LN2,
-    LOG2E,
-    MASK_VALUE,
-    device_sm_count,
-    typed_like,
-    varying_like,
-)
+from pallas_kernels.common import LN2, LOG2E, MASK_VALUE, device_sm_count, varying_like
 from pallas_kernels.mosaic.common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
@@ -739,9 +732,9 @@ def _launch(q, k, v, lengths, *, grid, config, num_tails=None, **options):
             jax.ShapeDtypeStruct((num_tails, config.rows, num_q_heads, head_dim), dtype),
             jax.ShapeDtypeStruct((num_tails, num_q_heads, config.rows), jnp.float32),
         ]
-    outs = plgpu.kernel(  # its outputs typed as jax types them, then cast
+    outs = plgpu.kernel(
         kernel,
-        out_type=tuple(typed_like(out_type, inputs)),
+        out_type=tuple(out_type),
         scratch_types=(smem, barriers),
         **(dict(grid=(blocks,), grid_names=("blocks",)) if blocks else launch.grid()),
         num_threads=CONSUMERS + 1,
