@@ -128,13 +128,16 @@ def _tp_rows(settings: Settings, n: int) -> list[Row]:
     rows, measures = {}, []
     ref = None
     runs = [
-        ("1 GPU", one, caches, meta, tokens),
-        ("ours", split, split_caches, meta_split, tokens),
+        ("1 GPU", shape, one, caches, meta, tokens),
+        ("ours", shape, split, split_caches, meta_split, tokens),
     ]
     if share_shape is not None:
         share_caches, _, share_meta, share_tokens = _caches(share_shape)
-        runs.append((SHARE, build(share_shape), share_caches, share_meta, share_tokens))
-    for impl, model, cache, plan, ids in runs:
+        runs.append((SHARE, share_shape, build(share_shape), share_caches, share_meta,
+                     share_tokens))  # fmt: skip
+    # Weights and K/V a step reads (all devices together for "ours").
+    work = {impl: _bytes_per_step(size, model) for impl, size, model, *_ in runs}
+    for impl, _, model, cache, plan, ids in runs:
         graphdef, state = nnx.split(model)
 
         def step(caches, state, graphdef=graphdef, plan=plan, ids=ids):
@@ -161,10 +164,9 @@ def _tp_rows(settings: Settings, n: int) -> list[Row]:
     timings = interleave([m for _, m in measures], settings.reps)
     for (impl, _), timing in zip(measures, timings, strict=True):
         rate = shape.batch / timing.median_s / 1e3
-        work = _bytes_per_step(shape, one)  # weights and K/V a step reads, all devices
-        if impl == SHARE:
-            work = _bytes_per_step(share_shape, runs[-1][1])
-        rows[impl] = timed_row(settings, rows[impl], timing, work, rate=rate, work_unit="TB/s")
+        rows[impl] = timed_row(
+            settings, rows[impl], timing, work[impl], rate=rate, work_unit="TB/s"
+        )
     rows = _scaled(rows, n)
     return list(_tp_bound(rows, shape, n, settings).values())
 
@@ -180,15 +182,14 @@ def _tp_bound(rows: dict, shape, n: int, settings: Settings) -> dict:
         latency = _all_reduce_us(shape, n, settings)
     except Exception as e:
         note = f"all-reduce not timed: {describe_error(e)}"
-        rows[SHARE] = progress(dataclasses.replace(share, notes=join_notes(share.notes, note)))
-        return rows
-    reduces = 2 * shape.layers + 1
-    bound = one.time_ms / (n * (share.time_ms + reduces * latency / 1e3))
-    note = (
-        f"one of {n} devices' work alone; with {reduces} all-reduces of [B, hidden] bf16 at "
-        f"{latency:.1f} us each (timed alone): {100 * bound:.0f}% of one GPU per device at "
-        f"best, {100 * one.time_ms / (n * share.time_ms):.0f}% with free all-reduces"
-    )
+    else:
+        reduces = 2 * shape.layers + 1
+        bound = one.time_ms / (n * (share.time_ms + reduces * latency / 1e3))
+        note = (
+            f"one of {n} devices' work alone; with {reduces} all-reduces of [B, hidden] bf16 "
+            f"at {latency:.1f} us each (timed alone): {100 * bound:.0f}% of one GPU per device "
+            f"at best, {100 * one.time_ms / (n * share.time_ms):.0f}% with free all-reduces"
+        )
     rows[SHARE] = progress(dataclasses.replace(share, notes=join_notes(share.notes, note)))
     return rows
 

@@ -166,7 +166,8 @@ def typed_like(out_shape, inputs) -> list:
     types = _manual_axis_types(inputs)
     if not types:
         return list(out_shape)
-    axis_type = type(types[0])(varying=_varying_axes(inputs))  # jax's ManualAxisType
+    varying = frozenset().union(*(t.varying for t in types))
+    axis_type = type(types[0])(varying=varying)  # jax's ManualAxisType
     return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=axis_type) for s in out_shape]
 
 

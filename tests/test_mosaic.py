@@ -452,20 +452,20 @@ def test_causal_walk_steps(tq, tk, block_kv):
 def test_causal_walk_table(shape):
     """`Launch.walk` over causal tiles: every tile of the launch order exactly once, each
     block's in launch order, and as even as list scheduling makes it (no block busier
-    than the least busy by more than one tile's cost); `tile_of` is the kernel's
-    `Launch.item` tile."""
+    than the least busy by more than one tile's cost); `Launch.item` of a Python int (the
+    walk's) is the kernel's."""
     tq, tk, batch = shape
     config = MosaicForwardConfig.heuristic(128)
     launch = Launch(32, tq // config.rows, batch, 4)
     costs = [causal_tile_cost(t, config=config, q_rows=tq, kv_rows=tk) for t in range(launch.tiles)]
     tiles, _, _ = launch.item(jnp.arange(launch.items, dtype=jnp.int32))
-    assert [launch.tile_of(i) for i in range(launch.items)] == np.asarray(tiles).tolist()
+    assert [launch.item(i)[0] for i in range(launch.items)] == np.asarray(tiles).tolist()
     table = launch.walk(132, costs.__getitem__)
     counts = table[:, 0]
     walks = [list(table[p, 1 : 1 + n]) for p, n in enumerate(counts)]
     assert sorted(i for w in walks for i in w) == list(range(launch.items))
     assert all(w == sorted(w) for w in walks)
-    busy = [sum(costs[launch.tile_of(i)] for i in w) for w in walks]
+    busy = [sum(costs[launch.item(int(i))[0]] for i in w) for w in walks]
     assert max(busy) - min(busy) <= max(costs)
 
 

@@ -175,25 +175,22 @@ def _static(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
     def fail(msg):
         raise ValueError(f"multi_head_cache_attention: {msg}")
 
-    if isinstance(num_kv_heads, bool):
-        fail(f"{num_kv_heads=} must be a Python int (0: num_heads)")
-    num_kv_heads = num_kv_heads or num_heads
+    def is_int(value):  # bools are ints to Python: True would pass as 1
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
+    ints = dict(num_kv_heads=num_kv_heads, layer_idx=layer_idx, quant_bit=quant_bit,
+                cache_mode=cache_mode, cache_layout=cache_layout,
+                **(dict(quant_group=quant_group) if quant_bit else {}))  # fmt: skip
+    for name, value in ints.items():
+        if not is_int(value):
+            fail(f"{name}={value!r} must be a Python int (static)")
+    num_kv_heads = num_kv_heads or num_heads
     for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
                         ("num_kv_heads", num_kv_heads), ("num_layer", num_layer),
                         ("page_size", page_size), ("max_seqlen", max_seqlen),
                         ("max_kvlen", max_kvlen)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             fail(f"{name}={value!r} must be a positive Python int (static)")
-    static = (
-        ("layer_idx", layer_idx),
-        ("quant_bit", quant_bit),
-        ("cache_mode", cache_mode),
-        ("cache_layout", cache_layout),
-    ) + ((("quant_group", quant_group),) if quant_bit else ())
-    for name, value in static:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            fail(f"{name}={value!r} must be a Python int (static)")
     if num_heads % num_kv_heads:
         fail(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if not 0 <= layer_idx < num_layer:

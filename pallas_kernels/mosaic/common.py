@@ -82,7 +82,7 @@ class Launch:
     batch: int
     group: int = 1
 
-    @property
+    @functools.cached_property  # read per block by `walk`'s loop
     def section(self) -> int:
         pairs = self.batch * self.heads
         for size in range(self.group, pairs, self.group):
@@ -103,14 +103,9 @@ class Launch:
 
     def item(self, i):
         """(tile, head, batch index) of the i-th block of the launch order (int32; a
-        persistent kernel's blocks walk it)."""
-        per_section = self.tiles * self.section
-        section, rest = lax.div(i, per_section), lax.rem(i, per_section)
-        return self.unravel(section, lax.div(rest, self.section), lax.rem(rest, self.section))
-
-    def tile_of(self, i: int) -> int:
-        """The tile index of the i-th block of the launch order (host side, Python ints)."""
-        return i % (self.tiles * self.section) // self.section
+        persistent kernel's blocks walk it; Python ints for a Python int, `walk`'s)."""
+        section, rest = _divmod(i, self.tiles * self.section)
+        return self.unravel(section, *_divmod(rest, self.section))
 
     def walk(self, blocks: int, cost) -> np.ndarray:
         """The tiles each of `blocks` persistent blocks walks when tiles differ (causal),
@@ -125,7 +120,7 @@ class Launch:
         for i in range(self.items):
             busy, p = heapq.heappop(free)
             walks[p].append(i)
-            heapq.heappush(free, (busy + costs[self.tile_of(i)], p))
+            heapq.heappush(free, (busy + costs[self.item(i)[0]], p))
         table = np.zeros((blocks, 1 + max(map(len, walks))), np.int32)
         for p, walk in enumerate(walks):
             table[p, 0] = len(walk)
@@ -152,6 +147,11 @@ def load_plgpu():
 
 def _static(*xs) -> bool:
     return all(isinstance(x, int) for x in xs)
+
+
+def _divmod(a, b: int):
+    """(a // b, a % b) for a >= 0: Python ints for a Python int."""
+    return divmod(a, b) if _static(a) else (lax.div(a, b), lax.rem(a, b))
 
 
 def imax(a, b):
